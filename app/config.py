@@ -1,0 +1,309 @@
+"""Configuration: the YAML file (``GatewayConfig``) and ``GATEWAY_*`` environment settings.
+
+Every model forbids unknown fields, so a typo is an error that names the field instead of a
+silently ignored setting. Durations are written ``250ms``, ``30s``, ``5m``, ``24h``; sizes
+``512KiB``, ``1MiB``, ``10MB``; plain numbers mean seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from ipaddress import IPv4Network, IPv6Network, ip_network
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from ``250ms`` / ``30s`` / ``24h`` or a bare number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a duration such as 250ms, 30s or 24h")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _QUANTITY.match(value)):
+        number, unit = match.groups()
+        factor = _DURATION_UNITS.get(unit.lower() or "s")
+        if factor is None:
+            raise ValueError(f"unknown duration unit {unit!r} (use ms, s, m, h or d)")
+        seconds = float(number) * factor
+    else:
+        raise ValueError("a duration such as 250ms, 30s or 24h")
+    if seconds < 0:
+        raise ValueError("a duration cannot be negative")
+    return seconds
+
+
+def parse_size(value: object) -> int:
+    """Bytes from ``512KiB`` / ``1MiB`` / ``10MB`` or a bare number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError("a size such as 512KiB or 10MiB")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (match := _QUANTITY.match(value)):
+        number, unit = match.groups()
+        factor = _SIZE_UNITS.get(unit.lower())
+        if factor is None:
+            raise ValueError(f"unknown size unit {unit!r} (use B, KiB, MiB, GiB, KB, MB, GB)")
+        size = int(float(number) * factor)
+    else:
+        raise ValueError("a size such as 512KiB or 10MiB")
+    if size < 0:
+        raise ValueError("a size cannot be negative")
+    return size
+
+
+def _format_duration(seconds: float) -> str:
+    for unit in ("d", "h", "m", "s"):
+        factor = _DURATION_UNITS[unit]
+        if seconds >= factor and seconds % factor == 0:
+            return f"{int(seconds // factor)}{unit}"
+    return f"{round(seconds * 1000, 3):g}ms"
+
+
+Duration = Annotated[
+    float, BeforeValidator(parse_duration), PlainSerializer(_format_duration, return_type=str)
+]
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KeyPolicy(StrEnum):
+    REQUIRED = "required"
+    OPTIONAL = "optional"
+    OFF = "off"
+
+
+class OnAmbiguous(StrEnum):
+    FAIL = "fail"
+    RETRY = "retry"
+
+
+class StoreUnavailablePolicy(StrEnum):
+    FAIL_CLOSED = "fail_closed"
+    PASS_THROUGH = "pass_through"
+
+
+class TimeoutsConfig(_Model):
+    connect: Duration = 1.0
+    per_try: Duration = 10.0
+    total: Duration = 30.0
+
+    @model_validator(mode="after")
+    def _positive_and_ordered(self) -> TimeoutsConfig:
+        if min(self.connect, self.per_try, self.total) <= 0:
+            raise ValueError("timeouts must be greater than zero")
+        if self.per_try > self.total:
+            raise ValueError("per_try cannot be longer than total")
+        return self
+
+
+class PoolConfig(_Model):
+    max_connections: int = Field(100, ge=1, le=10_000)
+    keepalive: Duration = 15.0
+
+
+class UpstreamConfig(_Model):
+    url: AnyHttpUrl
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    pool: PoolConfig = PoolConfig()
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class OutcomeConfig(_Model):
+    """Which upstream statuses say the request was not executed, or may have been."""
+
+    not_executed: frozenset[int] = frozenset({408, 425, 429, 503})
+    ambiguous: frozenset[int] = frozenset({502, 504})
+
+
+class IdempotencyConfig(_Model):
+    methods: frozenset[str] = frozenset({"POST", "PATCH"})
+    key: KeyPolicy = KeyPolicy.OPTIONAL
+    ttl: Duration = 24 * 3600.0
+    lease: Duration = 30.0
+    on_ambiguous: OnAmbiguous = OnAmbiguous.FAIL
+    wait_max: Duration = 10.0
+    max_stored_body: ByteSize = 1024 * 1024
+    operation: str | None = Field(None, min_length=1, max_length=200)
+    fingerprint_headers: tuple[str, ...] = ()
+    outcomes: OutcomeConfig = OutcomeConfig()
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _upper_methods(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple | set | frozenset):
+            return frozenset(str(method).upper() for method in value)
+        return value
+
+    @field_validator("fingerprint_headers")
+    @classmethod
+    def _lower_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(name.lower() for name in value)
+
+    @model_validator(mode="after")
+    def _sane_times(self) -> IdempotencyConfig:
+        if self.lease <= 0 or self.ttl <= 0:
+            raise ValueError("lease and ttl must be greater than zero")
+        if self.lease > self.ttl:
+            raise ValueError("lease cannot be longer than ttl")
+        return self
+
+
+class RouteMatch(_Model):
+    path_prefix: str = Field(pattern=r"^/")
+
+
+class RouteConfig(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    match: RouteMatch
+    upstream: str
+    idempotency: IdempotencyConfig = IdempotencyConfig()
+
+
+class ScopeConfig(_Model):
+    headers: tuple[str, ...] = ("Authorization",)
+
+    @field_validator("headers")
+    @classmethod
+    def _lower_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(name.lower() for name in value)
+
+
+class LimitsConfig(_Model):
+    max_request_body: ByteSize = 10 * 1024 * 1024
+
+
+class StoreConfig(_Model):
+    pool_size: int = Field(10, ge=1, le=1000)
+    connect_timeout: Duration = 2.0
+    statement_timeout: Duration = 2.0
+    finalize_attempts: int = Field(3, ge=1, le=20)
+
+
+IpNetwork = Annotated[
+    IPv4Network | IPv6Network,
+    BeforeValidator(lambda value: ip_network(value, strict=False)),
+    PlainSerializer(str, return_type=str),
+]
+
+
+class GatewayConfig(_Model):
+    upstreams: dict[str, UpstreamConfig] = Field(min_length=1)
+    routes: tuple[RouteConfig, ...] = Field(min_length=1)
+    scope: ScopeConfig = ScopeConfig()
+    limits: LimitsConfig = LimitsConfig()
+    store: StoreConfig = StoreConfig()
+    store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED
+    idempotency_header: str = "Idempotency-Key"
+    trusted_proxies: tuple[IpNetwork, ...] = ()
+
+    @model_validator(mode="after")
+    def _routes_name_known_upstreams(self) -> GatewayConfig:
+        names: set[str] = set()
+        for route in self.routes:
+            if route.upstream not in self.upstreams:
+                known = ", ".join(sorted(self.upstreams))
+                raise ValueError(
+                    f"route {route.name!r} names upstream {route.upstream!r}, "
+                    f"which is not defined (defined: {known})"
+                )
+            if route.name in names:
+                raise ValueError(f"route name {route.name!r} is used twice")
+            names.add(route.name)
+        return self
+
+
+class EnvSettings(BaseSettings):
+    """Secrets and addresses that belong in the environment, not in the YAML file."""
+
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+
+    database_url: str | None = None
+    redis_url: str | None = None
+    admin_token: SecretStr | None = None
+    config: Path | None = None
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``errors`` name each bad field."""
+
+    def __init__(self, source: str, errors: list[str]) -> None:
+        super().__init__(f"{source}: " + "; ".join(errors))
+        self.source = source
+        self.errors = errors
+
+
+def _field_path(location: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in location) or "(top level)"
+
+
+def validate_config(data: object, *, source: str) -> GatewayConfig:
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        errors = [f"{_field_path(err['loc'])}: {err['msg']}" for err in exc.errors()]
+        raise ConfigError(source, errors) from None
+
+
+def load_config(path: Path) -> GatewayConfig:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read the file: {exc.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), ["the file must hold a mapping with upstreams and routes"])
+    return validate_config(data, source=str(path))
+
+
+def single_upstream_config(url: str) -> GatewayConfig:
+    """``serve --upstream URL``: one route, ``/``, with the default policies."""
+    return validate_config(
+        {
+            "upstreams": {"default": {"url": url}},
+            "routes": [{"name": "default", "match": {"path_prefix": "/"}, "upstream": "default"}],
+        },
+        source="--upstream",
+    )
+
+
+def dump_config(config: GatewayConfig) -> str:
+    data = config.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,1 @@
+"""The bundled example upstream that `idempotency-gateway demo` puts behind the gateway."""

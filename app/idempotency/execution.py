@@ -1,0 +1,33 @@
+"""The channel from the app that executes a request back to the middleware that owns it.
+
+The middleware puts an ``Execution`` into ``scope["state"]`` (``request.state.idempotency`` in
+Starlette and FastAPI). The app may report that the request never reached the system of record
+(``NOT_EXECUTED``: the key may run again) or that it cannot tell (``AMBIGUOUS``); without a
+report the response status decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.asgi import Scope
+from app.idempotency.machine import Outcome
+
+STATE_KEY = "idempotency"
+
+
+@dataclass(slots=True)
+class Execution:
+    idempotency_key: str
+    fencing_token: int
+    outcome: Outcome | None = None
+
+    def report(self, outcome: Outcome) -> None:
+        # The first report wins: a later, vaguer one must not erase "never sent".
+        if self.outcome is None:
+            self.outcome = outcome
+
+
+def execution_of(scope: Scope) -> Execution | None:
+    execution = scope.get("state", {}).get(STATE_KEY)
+    return execution if isinstance(execution, Execution) else None

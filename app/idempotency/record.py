@@ -1,0 +1,62 @@
+"""The durable record of one idempotency key and the answer it stores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+
+class Status(StrEnum):
+    IN_PROGRESS = "IN_PROGRESS"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED_RETRYABLE = "FAILED_RETRYABLE"
+    FAILED_FINAL = "FAILED_FINAL"
+
+
+# Statuses whose stored answer is replayed to every later duplicate.
+REPLAYABLE = frozenset({Status.SUCCEEDED, Status.FAILED_FINAL})
+
+
+@dataclass(frozen=True, slots=True)
+class RecordKey:
+    scope: str
+    operation: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    body_omitted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    key: RecordKey
+    request_hash: str
+    status: Status
+    owner_id: str
+    fencing_token: int
+    lease_expires_at: datetime
+    response: StoredResponse | None
+    attempts: int
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime
+
+    def is_expired(self, now: datetime) -> bool:
+        return self.expires_at <= now
+
+    def lease_is_over(self, now: datetime) -> bool:
+        return self.lease_expires_at <= now
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """What an owner must name in every write: a fenced-off owner's writes change nothing."""
+
+    owner_id: str
+    fencing_token: int

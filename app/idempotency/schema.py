@@ -1,0 +1,58 @@
+"""The ``idempotency_records`` table. Alembic migrations create and change it."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    String,
+    Table,
+    text,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+records = Table(
+    "idempotency_records",
+    metadata,
+    Column("scope", String(64), primary_key=True),
+    Column("operation", String(512), primary_key=True),
+    Column("idempotency_key", String(255), primary_key=True),
+    Column("request_hash", String(64), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("owner_id", String(32), nullable=False),
+    Column("fencing_token", Integer, nullable=False),
+    Column("lease_expires_at", DateTime(timezone=True), nullable=False),
+    Column("response_status", SmallInteger, nullable=True),
+    Column("response_headers", JSON, nullable=True),
+    Column("response_body", LargeBinary, nullable=True),
+    Column("body_compressed", Boolean, nullable=False, server_default=text("false")),
+    Column("body_omitted", Boolean, nullable=False, server_default=text("false")),
+    Column("attempts", Integer, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Index("ix_idempotency_records_expires_at", "expires_at"),
+    # Finds owners that died mid-flight without scanning finished rows.
+    Index(
+        "ix_idempotency_records_stale_in_progress",
+        "lease_expires_at",
+        postgresql_where=text("status = 'IN_PROGRESS'"),
+        sqlite_where=text("status = 'IN_PROGRESS'"),
+    ),
+)

@@ -1,0 +1,118 @@
+"""``create_gateway``: the ASGI app of the gateway, assembled from a config.
+
+    RequestIdMiddleware -> IdempotencyMiddleware -> ProxyApp -> upstreams
+
+The same ``IdempotencyMiddleware`` is what a library user wraps around their own app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from app.asgi import Receive, Scope, Send
+from app.config import EnvSettings, GatewayConfig, load_config, validate_config
+from app.idempotency.middleware import IdempotencyMiddleware
+from app.idempotency.policy import RoutePolicy
+from app.idempotency.store import RecordStore, utc_now
+from app.migrate import upgrade_to_head_async
+from app.proxy.app import ProxyApp
+from app.proxy.client import UpstreamClient
+from app.request_id import RequestIdMiddleware
+from app.routing import PrefixRouter
+
+log = logging.getLogger(__name__)
+
+# The CLI hands its resolved config to worker processes through this variable.
+RESOLVED_CONFIG_ENV = "GATEWAY_RESOLVED_CONFIG"
+EMBEDDED_DATABASE_URL = "sqlite+aiosqlite:///idempotency-gateway.db"
+# How long shutdown waits for in-flight executions to finish and finalize.
+DRAIN_TIMEOUT = 30.0
+
+
+def database_url_or_default(url: str | None) -> str:
+    return url or EMBEDDED_DATABASE_URL
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, *, database_url: str | None = None) -> None:
+        self.config = config
+        self.database_url = database_url_or_default(database_url)
+        self.store = RecordStore.from_url(self.database_url, config.store, clock=utc_now)
+        self.clients = {
+            name: UpstreamClient(name, upstream) for name, upstream in config.upstreams.items()
+        }
+        policies = PrefixRouter(
+            (route.match.path_prefix, RoutePolicy(route.name, route.idempotency))
+            for route in config.routes
+        )
+        self.idempotency = IdempotencyMiddleware(
+            ProxyApp(config, self.clients),
+            store=self.store,
+            policy=policies.match,
+            scope_headers=config.scope.headers,
+            header_name=config.idempotency_header,
+            max_request_body=config.limits.max_request_body,
+            store_unavailable=config.store_unavailable,
+            finalize_attempts=config.store.finalize_attempts,
+        )
+        self.app = RequestIdMiddleware(self.idempotency)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def startup(self) -> None:
+        if self.store.engine.dialect.name == "sqlite":
+            # The embedded store belongs to this gateway alone: keep its schema current.
+            await upgrade_to_head_async(self.database_url)
+        for client in self.clients.values():
+            await client.start()
+
+    async def shutdown(self) -> None:
+        pending = set(self.idempotency.executions)
+        if pending:
+            log.info("draining %d in-flight executions", len(pending))
+            _, still_running = await asyncio.wait(pending, timeout=DRAIN_TIMEOUT)
+            if still_running:
+                log.error("%d executions still running at shutdown", len(still_running))
+        for client in self.clients.values():
+            await client.close()
+        await self.store.close()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def create_gateway(config: GatewayConfig, *, database_url: str | None = None) -> Gateway:
+    return Gateway(config, database_url=database_url)
+
+
+def gateway_from_environment() -> Gateway:
+    """Factory for ``uvicorn --factory`` and for each ``serve --workers N`` process."""
+    settings = EnvSettings()
+    resolved = os.environ.get(RESOLVED_CONFIG_ENV)
+    if resolved is not None:
+        config = GatewayConfig.model_validate_json(resolved)
+    elif settings.config is not None:
+        config = load_config(Path(settings.config))
+    else:
+        config = validate_config({}, source="environment (set GATEWAY_CONFIG)")
+    return create_gateway(config, database_url=settings.database_url)

@@ -1,0 +1,109 @@
+"""``ProxyApp``: a pure ASGI reverse proxy to named upstreams.
+
+Responses stream to the client as they arrive. Upstream failures become 502/504 problems,
+and the idempotency layer is told whether the request left (``NOT_EXECUTED``) or may have
+been acted on (``AMBIGUOUS``), which is what decides whether a key may run again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from app.asgi import ClientDisconnected, Message, Receive, Scope, Send, read_body
+from app.config import GatewayConfig, RouteConfig
+from app.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
+from app.idempotency.execution import execution_of
+from app.idempotency.machine import Outcome
+from app.problems import send_problem
+from app.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
+from app.proxy.deadline import Deadline
+from app.proxy.headers import client_response_headers, upstream_request_headers
+from app.request_id import request_id_of
+from app.routing import PrefixRouter
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    config: RouteConfig
+    client: UpstreamClient
+
+
+class ProxyApp:
+    def __init__(self, config: GatewayConfig, clients: Mapping[str, UpstreamClient]) -> None:
+        self.config = config
+        self.router = PrefixRouter(
+            (route.match.path_prefix, Route(route, clients[route.upstream]))
+            for route in config.routes
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1003})
+            return
+        response_started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            response_started = True
+            await send(message)
+
+        try:
+            await self._forward(scope, receive, tracking_send)
+        except ClientDisconnected:
+            return
+        except UpstreamError as error:
+            execution = execution_of(scope)
+            if execution is not None:
+                not_sent = isinstance(error, UpstreamNotSent)
+                execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
+            if response_started:
+                raise  # mid-stream: the only honest signal left is a broken connection
+            await send_problem(send, error, request_id=request_id_of(scope))
+        except GatewayError as error:
+            await send_problem(send, error, request_id=request_id_of(scope))
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.router.match(scope["path"])
+        if route is None:
+            raise NoRouteMatched(f"no route matches {scope['path']}")
+        headers = scope["headers"]
+        body = await read_body(receive, headers, limit=self.config.limits.max_request_body)
+        timeouts = route.client.config.timeouts
+        deadline = Deadline.for_request(headers, timeouts.total)
+        attempt_timeout = min(timeouts.per_try, deadline.remaining())
+        request = UpstreamRequest(
+            method=scope["method"],
+            url=self._upstream_url(route, scope),
+            headers=upstream_request_headers(
+                scope,
+                trusted_proxies=self.config.trusted_proxies,
+                timeout_seconds=attempt_timeout,
+            ),
+            body=body,
+        )
+        async with route.client.send(request, head_within=attempt_timeout) as response:
+            await self._stream_back(scope, response, send)
+
+    @staticmethod
+    def _upstream_url(route: Route, scope: Scope) -> str:
+        path: bytes = scope.get("raw_path") or scope["path"].encode()
+        query: bytes = scope.get("query_string", b"")
+        target = path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        return route.client.config.base_url + target
+
+    @staticmethod
+    async def _stream_back(scope: Scope, response: UpstreamResponse, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": client_response_headers(
+                    response.headers, scope.get("http_version", "1.1")
+                ),
+            }
+        )
+        async for chunk in response.chunks():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

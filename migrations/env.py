@@ -1,0 +1,47 @@
+"""Alembic environment: runs migrations over the gateway's async engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from alembic import context
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app.idempotency.schema import metadata
+from app.idempotency.store import normalize_database_url
+
+
+def _database_url() -> str:
+    url = context.config.get_main_option("sqlalchemy.url") or os.environ.get("GATEWAY_DATABASE_URL")
+    if not url:
+        raise RuntimeError("no database URL: set GATEWAY_DATABASE_URL")
+    return normalize_database_url(url)
+
+
+def _run(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        # SQLite cannot ALTER most things in place; batch mode copies the table instead.
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def _run_online() -> None:
+    engine = create_async_engine(_database_url())
+    async with engine.connect() as connection:
+        await connection.run_sync(_run)
+        await connection.commit()
+    await engine.dispose()
+
+
+if context.is_offline_mode():
+    context.configure(url=_database_url(), target_metadata=metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+else:
+    asyncio.run(_run_online())
