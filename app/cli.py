@@ -35,7 +35,6 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--upstream", help="proxy everything to this URL with default policies")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--admin-port", type=int, default=8081, help=argparse.SUPPRESS)
     serve.add_argument("--workers", type=int, default=1)
     serve.add_argument("--log-level", default="info")
 

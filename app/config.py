@@ -8,10 +8,11 @@ silently ignored setting. Durations are written ``250ms``, ``30s``, ``5m``, ``24
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from enum import StrEnum
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import (
@@ -53,7 +54,9 @@ def parse_duration(value: object) -> float:
         factor = _DURATION_UNITS.get(unit.lower() or "s")
         if factor is None:
             raise ValueError(f"unknown duration unit {unit!r} (use ms, s, m, h or d)")
-        seconds = float(number) * factor
+        # Exact decimal arithmetic: "3300ms" is the same float as "3.3s", so what
+        # check-config prints loads back equal.
+        seconds = float(Decimal(number) * Decimal(str(factor)))
     else:
         raise ValueError("a duration such as 250ms, 30s or 24h")
     if seconds < 0:
@@ -85,7 +88,8 @@ def _format_duration(seconds: float) -> str:
         factor = _DURATION_UNITS[unit]
         if seconds >= factor and seconds % factor == 0:
             return f"{int(seconds // factor)}{unit}"
-    return f"{round(seconds * 1000, 3):g}ms"
+    # repr is the shortest decimal that reads back as this float; "f" never uses an exponent.
+    return f"{(Decimal(repr(seconds)) * 1000).normalize():f}ms"
 
 
 Duration = Annotated[
@@ -133,10 +137,64 @@ class PoolConfig(_Model):
     keepalive: Duration = 15.0
 
 
+CONNECT_FAILURE: Final = "connect-failure"
+# RFC 9110: a 4xx says the request was wrong; only these three say "not now, try again".
+_RETRYABLE_4XX = frozenset({408, 425, 429})
+
+
+class BudgetConfig(_Model):
+    ratio: float = Field(0.2, ge=0, le=10)
+    min_per_second: float = Field(5.0, ge=0)
+    window: Duration = 10.0
+
+
+class RetryConfig(_Model):
+    max_attempts: int = Field(3, ge=1, le=10)
+    base: Duration = 0.05
+    cap: Duration = 2.0
+    retry_on: frozenset[int | Literal["connect-failure"]] = frozenset({CONNECT_FAILURE, 429, 503})
+    budget: BudgetConfig = BudgetConfig()
+
+    @field_validator("retry_on")
+    @classmethod
+    def _never_plain_4xx(
+        cls, value: frozenset[int | Literal["connect-failure"]]
+    ) -> frozenset[int | Literal["connect-failure"]]:
+        for status in value:
+            if isinstance(status, int) and not (status in _RETRYABLE_4XX or 500 <= status <= 599):
+                raise ValueError(
+                    f"{status} cannot be retried: only 408, 425, 429 and 5xx say "
+                    "the request was not processed"
+                )
+        return value
+
+    @property
+    def retry_statuses(self) -> frozenset[int]:
+        return frozenset(status for status in self.retry_on if isinstance(status, int))
+
+
+BreakerFailure = Literal["connect-failure", "timeout", "connection-lost", "5xx"] | int
+
+
+class BreakerConfig(_Model):
+    window: Duration = 30.0
+    min_calls: int = Field(20, ge=1)
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    slow_call: Duration = 5.0
+    slow_call_rate: float = Field(0.8, gt=0, le=1)
+    open_for: Duration = 15.0
+    half_open_calls: int = Field(3, ge=1)
+    failure_on: frozenset[BreakerFailure] = frozenset(
+        {CONNECT_FAILURE, "timeout", "connection-lost", "5xx"}
+    )
+
+
 class UpstreamConfig(_Model):
     url: AnyHttpUrl
     timeouts: TimeoutsConfig = TimeoutsConfig()
     pool: PoolConfig = PoolConfig()
+    retry: RetryConfig = RetryConfig()
+    breaker: BreakerConfig = BreakerConfig()
 
     @property
     def base_url(self) -> str:
@@ -195,7 +253,9 @@ class RouteConfig(_Model):
 
 
 class ScopeConfig(_Model):
-    headers: tuple[str, ...] = ("Authorization",)
+    # Lower-case like the validator's output: defaults are not validated, and a printed
+    # config must load back equal.
+    headers: tuple[str, ...] = ("authorization",)
 
     @field_validator("headers")
     @classmethod
@@ -205,6 +265,15 @@ class ScopeConfig(_Model):
 
 class LimitsConfig(_Model):
     max_request_body: ByteSize = 10 * 1024 * 1024
+
+
+class CacheConfig(_Model):
+    """The replay cache: Redis when ``GATEWAY_REDIS_URL`` is set, else an in-process LRU."""
+
+    timeout: Duration = 0.05
+    max_entry_size: ByteSize = 1024 * 1024
+    max_entries: int = Field(10_000, ge=0)
+    max_bytes: ByteSize = 64 * 1024 * 1024
 
 
 class StoreConfig(_Model):
@@ -227,6 +296,7 @@ class GatewayConfig(_Model):
     scope: ScopeConfig = ScopeConfig()
     limits: LimitsConfig = LimitsConfig()
     store: StoreConfig = StoreConfig()
+    cache: CacheConfig = CacheConfig()
     store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED
     idempotency_header: str = "Idempotency-Key"
     trusted_proxies: tuple[IpNetwork, ...] = ()

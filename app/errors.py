@@ -15,12 +15,16 @@ this tree in one place each: ``app.proxy.client`` and ``app.idempotency.store``.
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     └── UpstreamError                   the upstream call failed
         ├── UpstreamNotSent               the request never left: safe to execute again (502)
+        │   ├── CircuitOpen                 the upstream's breaker is open (503, Retry-After)
+        │   └── DeadlineExhausted           too little time left to try (504)
         └── UpstreamAmbiguous             sent, but no complete answer came back
             ├── UpstreamTimeout             504
             └── UpstreamConnectionLost      502
 """
 
 from __future__ import annotations
+
+import math
 
 PROBLEM_TYPE_BASE = "urn:idempotency-gateway:problem:"
 
@@ -104,6 +108,24 @@ class UpstreamNotSent(UpstreamError):
     slug = "upstream-unreachable"
     title = "Upstream unreachable"
     retryable = True
+
+
+class CircuitOpen(UpstreamNotSent):
+    status = 503
+    slug = "circuit-open"
+    title = "Upstream circuit open"
+
+    def __init__(self, upstream: str, *, retry_after: float) -> None:
+        super().__init__(
+            f"upstream {upstream!r} is failing; the gateway is not sending it requests for now"
+        )
+        self.retry_after = max(1, math.ceil(retry_after))
+
+
+class DeadlineExhausted(UpstreamNotSent):
+    status = 504
+    slug = "deadline-exhausted"
+    title = "Request deadline exhausted"
 
 
 class UpstreamAmbiguous(UpstreamError):

@@ -13,14 +13,18 @@ import os
 from pathlib import Path
 
 from app.asgi import Receive, Scope, Send
-from app.config import EnvSettings, GatewayConfig, load_config, validate_config
+from app.config import CacheConfig, EnvSettings, GatewayConfig, load_config, validate_config
+from app.idempotency.cache import InProcessCache, ReplayCache
 from app.idempotency.middleware import IdempotencyMiddleware
 from app.idempotency.policy import RoutePolicy
+from app.idempotency.redis_cache import RedisCache, connect_redis
 from app.idempotency.store import RecordStore, utc_now
+from app.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from app.migrate import upgrade_to_head_async
 from app.proxy.app import ProxyApp
 from app.proxy.client import UpstreamClient
 from app.request_id import RequestIdMiddleware
+from app.resilience.retry import ResilientUpstream
 from app.routing import PrefixRouter
 
 log = logging.getLogger(__name__)
@@ -36,11 +40,31 @@ def database_url_or_default(url: str | None) -> str:
     return url or EMBEDDED_DATABASE_URL
 
 
+def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCache, Wakeups]:
+    """Redis when configured (shared by every gateway process), else in-process."""
+    if redis_url is None:
+        return (
+            InProcessCache(max_entries=config.max_entries, max_bytes=config.max_bytes),
+            LocalWakeups(),
+        )
+    publisher = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
+    subscriber = connect_redis(redis_url, timeout=None, connect_timeout=config.timeout)
+    cache = RedisCache(publisher, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
+    return cache, RedisWakeups(subscriber=subscriber, publisher=publisher, timeout=config.timeout)
+
+
 class Gateway:
-    def __init__(self, config: GatewayConfig, *, database_url: str | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        database_url: str | None = None,
+        redis_url: str | None = None,
+    ) -> None:
         self.config = config
         self.database_url = database_url_or_default(database_url)
         self.store = RecordStore.from_url(self.database_url, config.store, clock=utc_now)
+        self.cache, self.wakeups = replay_layer(config.cache, redis_url)
         self.clients = {
             name: UpstreamClient(name, upstream) for name, upstream in config.upstreams.items()
         }
@@ -48,9 +72,12 @@ class Gateway:
             (route.match.path_prefix, RoutePolicy(route.name, route.idempotency))
             for route in config.routes
         )
+        self.upstreams = {name: ResilientUpstream(client) for name, client in self.clients.items()}
         self.idempotency = IdempotencyMiddleware(
-            ProxyApp(config, self.clients),
+            ProxyApp(config, self.upstreams),
             store=self.store,
+            cache=self.cache,
+            wakeups=self.wakeups,
             policy=policies.match,
             scope_headers=config.scope.headers,
             header_name=config.idempotency_header,
@@ -72,6 +99,8 @@ class Gateway:
             await upgrade_to_head_async(self.database_url)
         for client in self.clients.values():
             await client.start()
+        if isinstance(self.wakeups, RedisWakeups):
+            await self.wakeups.start()
 
     async def shutdown(self) -> None:
         pending = set(self.idempotency.executions)
@@ -82,6 +111,8 @@ class Gateway:
                 log.error("%d executions still running at shutdown", len(still_running))
         for client in self.clients.values():
             await client.close()
+        await self.wakeups.close()
+        await self.cache.close()
         await self.store.close()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -101,8 +132,10 @@ class Gateway:
                 return
 
 
-def create_gateway(config: GatewayConfig, *, database_url: str | None = None) -> Gateway:
-    return Gateway(config, database_url=database_url)
+def create_gateway(
+    config: GatewayConfig, *, database_url: str | None = None, redis_url: str | None = None
+) -> Gateway:
+    return Gateway(config, database_url=database_url, redis_url=redis_url)
 
 
 def gateway_from_environment() -> Gateway:
@@ -115,4 +148,4 @@ def gateway_from_environment() -> Gateway:
         config = load_config(Path(settings.config))
     else:
         config = validate_config({}, source="environment (set GATEWAY_CONFIG)")
-    return create_gateway(config, database_url=settings.database_url)
+    return create_gateway(config, database_url=settings.database_url, redis_url=settings.redis_url)

@@ -112,6 +112,26 @@ async def test_status_and_retry_after(
     assert upstream.executions[0].behavior == {"status": "503", "retry-after": "2"}
 
 
+async def test_status_first_fails_the_first_times_executions_of_the_same_request(
+    upstream: RecordingUpstream, client: httpx.AsyncClient
+) -> None:
+    async def send(headers: dict[str, str]) -> int:
+        response = await client.post(f"{upstream.url}/x", headers=headers)
+        return response.status_code
+
+    twice_by_key = {"Idempotency-Key": "k1", "X-Test-Behavior": "status-first=503,times=2"}
+    assert [await send(twice_by_key) for _ in range(3)] == [503, 503, 201]
+    # Another key has its own counter; times defaults to 1; later items still apply.
+    once = {"Idempotency-Key": "k2", "X-Test-Behavior": "status-first=429,status=200"}
+    assert [await send(once) for _ in range(2)] == [429, 200]
+    # X-Test-Id names the request when there is no key, and wins over the key.
+    by_id = {"X-Test-Id": "t1", "X-Test-Behavior": "status-first=503"}
+    assert [await send(by_id) for _ in range(2)] == [503, 201]
+    assert await send({**by_id, "Idempotency-Key": "k1"}) == 201
+    assert await send({**by_id, "X-Test-Id": "t2", "Idempotency-Key": "k1"}) == 503
+    assert [e.number for e in upstream.executions_of_test_id("t1")] == [6, 7, 8]
+
+
 async def test_gate_blocks_until_released(
     upstream: RecordingUpstream, client: httpx.AsyncClient
 ) -> None:

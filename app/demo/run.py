@@ -4,6 +4,7 @@ payments API, both in this process, with curl lines that show each behaviour."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import uvicorn
 
@@ -87,5 +88,8 @@ async def _serve_both(port: int, upstream_port: int) -> None:
 
 
 def run_demo(*, port: int, upstream_port: int) -> int:
-    asyncio.run(_serve_both(port, upstream_port))
+    # Ctrl-C is how the banner says to stop. Both servers have shut down gracefully by the
+    # time uvicorn re-raises the signal, and that must not end in a traceback.
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve_both(port, upstream_port))
     return 0

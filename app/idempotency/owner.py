@@ -53,9 +53,9 @@ class OwnerRun:
 
     async def finalize(
         self, status: Status, answer: StoredResponse | None, *, attempts: int
-    ) -> None:
+    ) -> bool:
         """Write the outcome, retrying store errors: losing it would strand the key until
-        its lease runs out. A fenced write is logged and changes nothing."""
+        its lease runs out. A fenced write is logged, changes nothing and returns False."""
         for attempt in range(1, attempts + 1):
             try:
                 written = await self.store.finalize(
@@ -68,12 +68,13 @@ class OwnerRun:
                         "until its lease runs out",
                         extra={"status": status.value},
                     )
-                    return
+                    return False
                 await asyncio.sleep(_FINALIZE_BACKOFF * attempt)
                 continue
             if not written:
                 self._note_fenced("finalize")
-            return
+            return written
+        return False
 
     def _note_fenced(self, write: str) -> None:
         self.fenced = True

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from app.asgi import Headers, Message, Send
+from app.errors import GatewayError
 from app.idempotency.record import StoredResponse
+from app.problems import problem_body, problem_headers
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,10 @@ class ResponseCapture:
 
     The client going away must not stop the execution, so a failing ``send`` only marks the
     client as gone; capture continues and the answer is still stored for the retry.
+
+    The message that completes the client's answer (the end of the body, or the chunk that
+    reaches its Content-Length) is held back until ``release()``: a client that has its whole
+    answer may retry at once, and must then find the record final, not a 409.
     """
 
     def __init__(self, send: Send, *, max_stored_body: int) -> None:
@@ -43,6 +50,10 @@ class ResponseCapture:
         self.body_omitted = False
         self.complete = False
         self.client_gone = False
+        # The messages that would complete the client's answer, held back until release().
+        self._held: list[Message] = []
+        self._declared_length: int | None = None
+        self._body_seen = 0
 
     @property
     def started(self) -> bool:
@@ -52,10 +63,31 @@ class ResponseCapture:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", []))
+            self._declared_length = _content_length(self.headers)
+            if self._declared_length == 0 or self.status in (204, 304):
+                # The head alone completes a bodiless answer for the client.
+                self._held.append(message)
+                return
         elif message["type"] == "http.response.body":
-            self._tee(message.get("body", b""))
+            body = message.get("body", b"")
+            self._tee(body)
+            self._body_seen += len(body)
             if not message.get("more_body", False):
                 self.complete = True
+            # With Content-Length framing the chunk that reaches the length already completes
+            # the answer for the client, before the empty closing message arrives.
+            if self.complete or self._held or self._body_seen == self._declared_length:
+                self._held.append(message)
+                return
+        await self._forward(message)
+
+    async def release(self) -> None:
+        """Send the held-back end of the response (call once the record is final)."""
+        held, self._held = self._held, []
+        for message in held:
+            await self._forward(message)
+
+    async def _forward(self, message: Message) -> None:
         if self.client_gone:
             return
         try:
@@ -86,7 +118,31 @@ class ResponseCapture:
         return StoredResponse(self.status, headers, body, self.body_omitted)
 
 
-async def send_stored(send: Send, response: StoredResponse, *, replayed: bool) -> None:
+def _content_length(headers: Headers) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def stored_problem(error: GatewayError, request_id: str | None) -> StoredResponse:
+    """A problem response in the form the store keeps, for answers the gateway makes itself."""
+    body = problem_body(error, request_id=request_id)
+    headers = [
+        (name.decode(), value.decode())
+        for name, value in problem_headers(error, body)
+        if name != b"content-length"
+    ]
+    return StoredResponse(error.status, headers, body)
+
+
+async def send_stored(
+    send: Send,
+    response: StoredResponse,
+    *,
+    replayed: bool,
+    extra: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
     headers: Headers = [
         (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
     ]
@@ -95,5 +151,6 @@ async def send_stored(send: Send, response: StoredResponse, *, replayed: bool) -
         headers.append(REPLAYED_HEADER)
     if response.body_omitted:
         headers.append(BODY_OMITTED_HEADER)
+    headers.extend(extra)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": response.body, "more_body": False})

@@ -50,6 +50,16 @@ def utc_now() -> datetime:
 
 
 @dataclass(frozen=True, slots=True)
+class Claim:
+    """What an execution asks for when it reserves or takes over a record."""
+
+    request_hash: str
+    owner_id: str
+    lease: float
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
 class Reservation:
     """The outcome of a reserve: our fresh row, or the row that was already there."""
 
@@ -186,26 +196,24 @@ class RecordStore:
         async with self._connection() as connection:
             await connection.execute(select(literal(1)))
 
-    async def reserve(
-        self, key: RecordKey, *, request_hash: str, owner_id: str, lease: float, ttl: float
-    ) -> Reservation:
+    async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
         """Insert a fresh ``IN_PROGRESS`` row, or return the row that holds the key."""
         now = self.clock()
         values = {
             "scope": key.scope,
             "operation": key.operation,
             "idempotency_key": key.idempotency_key,
-            "request_hash": request_hash,
+            "request_hash": claim.request_hash,
             "status": Status.IN_PROGRESS.value,
-            "owner_id": owner_id,
+            "owner_id": claim.owner_id,
             "fencing_token": 1,
-            "lease_expires_at": now + timedelta(seconds=lease),
+            "lease_expires_at": now + timedelta(seconds=claim.lease),
             "attempts": 1,
             "body_compressed": False,
             "body_omitted": False,
             "created_at": now,
             "updated_at": now,
-            "expires_at": now + timedelta(seconds=ttl),
+            "expires_at": now + timedelta(seconds=claim.ttl),
         }
         async with self._connection() as connection:
             if self._is_postgres:
@@ -247,9 +255,7 @@ class RecordStore:
         )
         return (await connection.execute(statement)).first()
 
-    async def take_over(
-        self, seen: Record, *, request_hash: str, owner_id: str, lease: float, ttl: float
-    ) -> Record | None:
+    async def take_over(self, seen: Record, claim: Claim) -> Record | None:
         """Claim ``seen`` for a new execution, only if nobody changed it since it was read.
 
         An expired record starts a new life (token 1, new TTL); a retryable or abandoned one
@@ -258,11 +264,11 @@ class RecordStore:
         now = self.clock()
         new_life = seen.is_expired(now)
         changes: dict[str, Any] = {
-            "request_hash": request_hash,
+            "request_hash": claim.request_hash,
             "status": Status.IN_PROGRESS.value,
-            "owner_id": owner_id,
+            "owner_id": claim.owner_id,
             "fencing_token": 1 if new_life else records.c.fencing_token + 1,
-            "lease_expires_at": now + timedelta(seconds=lease),
+            "lease_expires_at": now + timedelta(seconds=claim.lease),
             "attempts": 1 if new_life else records.c.attempts + 1,
             "response_status": None,
             "response_headers": None,
@@ -272,7 +278,7 @@ class RecordStore:
             "updated_at": now,
         }
         if new_life:
-            changes |= {"created_at": now, "expires_at": now + timedelta(seconds=ttl)}
+            changes |= {"created_at": now, "expires_at": now + timedelta(seconds=claim.ttl)}
         statement = (
             update(records)
             .where(

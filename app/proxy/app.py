@@ -11,29 +11,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from app.asgi import ClientDisconnected, Message, Receive, Scope, Send, read_body
-from app.config import GatewayConfig, RouteConfig
+from app.config import GatewayConfig, OnAmbiguous, RouteConfig
 from app.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
 from app.idempotency.execution import execution_of
 from app.idempotency.machine import Outcome
 from app.problems import send_problem
-from app.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
+from app.proxy.client import UpstreamRequest, UpstreamResponse
 from app.proxy.deadline import Deadline
 from app.proxy.headers import client_response_headers, upstream_request_headers
 from app.request_id import request_id_of
+from app.resilience.retry import IDEMPOTENT_METHODS, SAFE_METHODS, ResilientUpstream, RetryPlan
 from app.routing import PrefixRouter
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
     config: RouteConfig
-    client: UpstreamClient
+    upstream: ResilientUpstream
 
 
 class ProxyApp:
-    def __init__(self, config: GatewayConfig, clients: Mapping[str, UpstreamClient]) -> None:
+    def __init__(self, config: GatewayConfig, upstreams: Mapping[str, ResilientUpstream]) -> None:
         self.config = config
         self.router = PrefixRouter(
-            (route.match.path_prefix, Route(route, clients[route.upstream]))
+            (route.match.path_prefix, Route(route, upstreams[route.upstream]))
             for route in config.routes
         )
 
@@ -58,6 +59,9 @@ class ProxyApp:
             if execution is not None:
                 not_sent = isinstance(error, UpstreamNotSent)
                 execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
+                if not not_sent and self._retries_ambiguous(scope):
+                    # The record stays retryable: the client's retry with the key runs again.
+                    error.retryable = True
             if response_started:
                 raise  # mid-stream: the only honest signal left is a broken connection
             await send_problem(send, error, request_id=request_id_of(scope))
@@ -70,28 +74,53 @@ class ProxyApp:
             raise NoRouteMatched(f"no route matches {scope['path']}")
         headers = scope["headers"]
         body = await read_body(receive, headers, limit=self.config.limits.max_request_body)
-        timeouts = route.client.config.timeouts
-        deadline = Deadline.for_request(headers, timeouts.total)
-        attempt_timeout = min(timeouts.per_try, deadline.remaining())
-        request = UpstreamRequest(
-            method=scope["method"],
-            url=self._upstream_url(route, scope),
-            headers=upstream_request_headers(
-                scope,
-                trusted_proxies=self.config.trusted_proxies,
-                timeout_seconds=attempt_timeout,
-            ),
-            body=body,
+        url = self._upstream_url(route, scope)
+
+        def make_request(head_within: float) -> UpstreamRequest:
+            return UpstreamRequest(
+                method=scope["method"],
+                url=url,
+                headers=upstream_request_headers(
+                    scope,
+                    trusted_proxies=self.config.trusted_proxies,
+                    timeout_seconds=head_within,
+                ),
+                body=body,
+            )
+
+        deadline = Deadline.for_request(headers, route.upstream.client.config.timeouts.total)
+        response = await route.upstream.open(
+            make_request, deadline=deadline, plan=self._retry_plan(route, scope)
         )
-        async with route.client.send(request, head_within=attempt_timeout) as response:
+        try:
             await self._stream_back(scope, response, send)
+        finally:
+            response.release()
+
+    def _retries_ambiguous(self, scope: Scope) -> bool:
+        route = self.router.match(scope["path"])
+        return route is not None and route.config.idempotency.on_ambiguous is OnAmbiguous.RETRY
+
+    @staticmethod
+    def _retry_plan(route: Route, scope: Scope) -> RetryPlan:
+        method = scope["method"]
+        # A key forwarded upstream makes any method safe to resend: the record and the
+        # upstream both dedupe on it.
+        keyed = execution_of(scope) is not None
+        idempotency = route.config.idempotency
+        return RetryPlan(
+            idempotent=keyed or method in IDEMPOTENT_METHODS,
+            retry_ambiguous=method in SAFE_METHODS
+            or (keyed and idempotency.on_ambiguous is OnAmbiguous.RETRY),
+            ambiguous_statuses=idempotency.outcomes.ambiguous,
+        )
 
     @staticmethod
     def _upstream_url(route: Route, scope: Scope) -> str:
         path: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string", b"")
         target = path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
-        return route.client.config.base_url + target
+        return route.upstream.client.config.base_url + target
 
     @staticmethod
     async def _stream_back(scope: Scope, response: UpstreamResponse, send: Send) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
@@ -59,6 +58,12 @@ class UpstreamResponse:
         self.status = response.status
         self.headers: Headers = [(name.lower(), value) for name, value in response.raw_headers]
 
+    def header(self, name: str) -> str | None:
+        return self._response.headers.get(name)
+
+    def release(self) -> None:
+        self._response.release()
+
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; a broken stream raises an ``UpstreamError``."""
         try:
@@ -103,11 +108,9 @@ class UpstreamClient:
         if self._session is not None:
             await self._session.close()
 
-    @asynccontextmanager
-    async def send(
-        self, request: UpstreamRequest, *, head_within: float
-    ) -> AsyncIterator[UpstreamResponse]:
-        """One attempt: ``head_within`` seconds bound the wait for the response head."""
+    async def open(self, request: UpstreamRequest, *, head_within: float) -> UpstreamResponse:
+        """One attempt: ``head_within`` seconds bound the wait for the response head.
+        The caller must ``release()`` the response."""
         assert self._session is not None, "UpstreamClient.start() was not called"
         try:
             async with asyncio.timeout(head_within):
@@ -121,7 +124,4 @@ class UpstreamClient:
                 )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise translate_error(exc, self.name) from exc
-        try:
-            yield UpstreamResponse(response, self.name)
-        finally:
-            response.release()
+        return UpstreamResponse(response, self.name)

@@ -11,6 +11,14 @@ scenarios::
     X-Test-Behavior: stream=5,chunk=1024,stream-gate=s1
     X-Test-Behavior: body=1048576
     X-Test-Behavior: echo-headers
+    X-Test-Behavior: set-cookie=session=abc   # adds Set-Cookie: session=abc to the answer
+    X-Test-Behavior: status-first=503,times=2 # 503 twice for this request, then the default
+
+``status-first=S`` (with ``times=N``, default 1) answers ``S`` to the first ``N`` executions
+of the *same request*, and from then on what the other items say (``201`` by default). The
+same request means the same ``X-Test-Id`` header when one is sent, else the same
+``Idempotency-Key`` (requests with neither share one counter). That is how a test scripts
+"fails twice, then succeeds" for a client or gateway that retries with identical headers.
 
 The default answer is ``201`` with JSON
 ``{"execution": n, "key": ..., "fencing_token": ..., "path": ..., "body_sha256": ...}`` and the
@@ -36,6 +44,7 @@ BEHAVIOR_HEADER = "X-Test-Behavior"
 EXECUTION_HEADER = "X-Upstream-Execution"
 FENCING_HEADER = "Idempotency-Fencing-Token"
 KEY_HEADER = "Idempotency-Key"
+TEST_ID_HEADER = "X-Test-Id"
 
 DEFAULT_CHUNK = 1024
 
@@ -56,6 +65,8 @@ class Execution:
     fencing_token: int | None
     number: int = 0
     """The global execution counter value ``n`` given to this request (1-based)."""
+    raw_path: str = ""
+    """The request target exactly as it arrived: percent-encoding and query string intact."""
     behavior: dict[str, str] = field(default_factory=dict)
     """The parsed ``X-Test-Behavior`` items (bare items map to ``""``)."""
 
@@ -189,6 +200,23 @@ class RecordingUpstream:
     def executions_for(self, key: str) -> list[Execution]:
         return [execution for execution in self.executions if execution.idempotency_key == key]
 
+    def executions_of_test_id(self, test_id: str) -> list[Execution]:
+        """Executions that carried ``X-Test-Id: test_id``."""
+        lowered = TEST_ID_HEADER.lower()
+        return [e for e in self.executions if e.headers.get(lowered) == test_id]
+
+    def _repeat_number(self, execution: Execution) -> int:
+        """1 for the first execution of this request (same X-Test-Id, else same key), 2 ..."""
+        lowered = TEST_ID_HEADER.lower()
+        test_id = execution.headers.get(lowered)
+        if test_id is not None:
+            return len(self.executions_of_test_id(test_id))
+        return sum(
+            1
+            for e in self.executions
+            if lowered not in e.headers and e.idempotency_key == execution.idempotency_key
+        )
+
     # --------------------------------------------------------------------- gates
 
     def _gate(self, name: str) -> _Gate:
@@ -248,6 +276,7 @@ class RecordingUpstream:
             fencing_token=_int_or_none(headers.get(FENCING_HEADER.lower())),
             number=len(self.executions) + 1,
             behavior=behavior,
+            raw_path=request.raw_path,
         )
         self.executions.append(execution)
         return execution
@@ -269,7 +298,13 @@ class RecordingUpstream:
         headers = {EXECUTION_HEADER: str(n)}
         if "retry-after" in behavior:
             headers["Retry-After"] = behavior["retry-after"]
+        if "set-cookie" in behavior:
+            headers["Set-Cookie"] = behavior["set-cookie"]
         explicit_status = _int_or_none(behavior.get("status"))
+        if "status-first" in behavior:
+            times = _int_or_none(behavior.get("times"))
+            if self._repeat_number(execution) <= (1 if times is None else times):
+                explicit_status = _int_or_none(behavior["status-first"])
 
         if "stream" in behavior:
             return await self._stream(request, behavior, explicit_status or 200, headers)

@@ -1,0 +1,223 @@
+"""``IdempotencyEngine``: what happens to one keyed request.
+
+replay cache hit  -> replay (or 422 for a different request): no SQL at all
+reserve (1 statement) -> ours: execute, finalize (1 statement), cache, wake waiters
+                      -> finished: replay and backfill the cache
+                      -> in flight: 409, or wait for the owner under ``Prefer: wait``
+                      -> retryable, expired or abandoned: take over (compare-and-set)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+from app.asgi import ASGIApp, Headers, Scope, Send, replay_receive
+from app.config import IdempotencyConfig, OnAmbiguous
+from app.errors import KeyReusedWithDifferentRequest, OutcomeUnknown, RequestInFlight
+from app.idempotency.cache import CachedAnswer, ReplayCache
+from app.idempotency.execution import STATE_KEY, Execution
+from app.idempotency.machine import Action, Outcome, classify, decide
+from app.idempotency.owner import OwnerRun
+from app.idempotency.policy import RoutePolicy
+from app.idempotency.record import REPLAYABLE, Record, RecordKey, Status, StoredResponse
+from app.idempotency.responses import ResponseCapture, send_stored, stored_problem
+from app.idempotency.store import Claim, RecordStore
+from app.idempotency.wakeups import Wakeups
+from app.request_id import request_id_of
+
+log = logging.getLogger(__name__)
+
+FENCING_TOKEN_HEADER = b"idempotency-fencing-token"
+# Tells a client how soon to retry a duplicate that is still in flight: short, because most
+# executions finish in well under a second and the retry then gets the replay.
+IN_FLIGHT_RETRY_AFTER = 1
+# A lost compare-and-set means another request changed the record; look again, a few times.
+_MAX_DECISIONS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedRequest:
+    scope: Scope
+    body: bytes
+    send: Send
+    policy: RoutePolicy
+    key: RecordKey
+    fingerprint: str
+    wait: float  # seconds the client will wait for an in-flight owner (0: answer 409 at once)
+
+    @property
+    def config(self) -> IdempotencyConfig:
+        return self.policy.config
+
+
+def _mismatch() -> KeyReusedWithDifferentRequest:
+    return KeyReusedWithDifferentRequest(
+        "this Idempotency-Key was first used with a different request "
+        "(method, path, query, body or fingerprinted headers differ)"
+    )
+
+
+class IdempotencyEngine:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: RecordStore,
+        cache: ReplayCache,
+        wakeups: Wakeups,
+        finalize_attempts: int,
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.cache = cache
+        self.wakeups = wakeups
+        self.finalize_attempts = finalize_attempts
+        # Executions run as tasks of their own so a client disconnect cannot cancel them;
+        # kept here so shutdown can wait for them and the loop cannot drop them.
+        self.executions: set[asyncio.Task[None]] = set()
+
+    async def handle(self, request: KeyedRequest) -> None:
+        cached = await self.cache.get(request.key)
+        if cached is not None:
+            if cached.request_hash != request.fingerprint:
+                raise _mismatch()
+            await send_stored(request.send, cached.response, replayed=True)
+            return
+        await self._decide_and_act(request)
+
+    async def _decide_and_act(self, request: KeyedRequest) -> None:
+        config = request.config
+        claim = Claim(request.fingerprint, uuid.uuid4().hex, config.lease, config.ttl)
+        waited: Headers = []
+        for _ in range(_MAX_DECISIONS):
+            reservation = await self.store.reserve(request.key, claim)
+            if reservation.reserved:
+                await self._execute(request, reservation.record)
+                return
+            record = reservation.record
+            action = decide(record, request_hash=request.fingerprint, now=self.store.clock())
+            if action is Action.REPLAY:
+                assert record.response is not None
+                answer = CachedAnswer.of(record)
+                if answer is not None:
+                    await self.cache.put(answer)
+                await send_stored(request.send, record.response, replayed=True, extra=waited)
+                return
+            if action is Action.MISMATCH:
+                raise _mismatch()
+            if action is Action.IN_FLIGHT:
+                if request.wait > 0 and not waited:
+                    # Parks on an event, holding no database connection; the re-reserve
+                    # after it is the durable check, so a lost wake-up costs only time.
+                    await self.wakeups.wait(request.key, request.wait)
+                    waited = [(b"preference-applied", f"wait={request.wait:g}".encode())]
+                    continue
+                raise RequestInFlight(
+                    "the first request with this Idempotency-Key is still running; "
+                    "retry with the same key to get its answer",
+                    retry_after=IN_FLIGHT_RETRY_AFTER,
+                )
+            taken = await self.store.take_over(record, claim)
+            if taken is None:
+                continue  # somebody else changed the record first: look again
+            if action is Action.ABANDONED and config.on_ambiguous is OnAmbiguous.FAIL:
+                await self._settle_abandoned(request, taken)
+                return
+            await self._execute(request, taken)
+            return
+        raise RequestInFlight(
+            "the record for this Idempotency-Key is changing hands; retry shortly",
+            retry_after=IN_FLIGHT_RETRY_AFTER,
+        )
+
+    async def _settle_abandoned(self, request: KeyedRequest, record: Record) -> None:
+        """An owner died mid-flight: record that the outcome is unknown, never execute twice."""
+        log.warning(
+            "took over an abandoned record; outcome unknown, not executing again",
+            extra={"route": request.policy.name, "fencing_token": record.fencing_token},
+        )
+        answer = stored_problem(
+            OutcomeUnknown(
+                "an earlier request with this Idempotency-Key was sent upstream but its "
+                "answer was lost; it may or may not have been executed. Use a new key only "
+                "after checking the resource's state."
+            ),
+            request_id_of(request.scope),
+        )
+        await self._finalize(
+            request,
+            OwnerRun(self.store, record, lease=request.config.lease),
+            Status.FAILED_FINAL,
+            answer,
+        )
+        await send_stored(request.send, answer, replayed=False)
+
+    async def _execute(self, request: KeyedRequest, record: Record) -> None:
+        task = asyncio.create_task(self._run_owner(request, record))
+        self.executions.add(task)
+        task.add_done_callback(self.executions.discard)
+        # shield: a disconnecting client cancels this await, never the execution itself.
+        await asyncio.shield(task)
+
+    async def _run_owner(self, request: KeyedRequest, record: Record) -> None:
+        execution = Execution(record.key.idempotency_key, record.fencing_token)
+        inner_scope = dict(request.scope)
+        inner_scope["headers"] = [
+            *(pair for pair in request.scope["headers"] if pair[0] != FENCING_TOKEN_HEADER),
+            (FENCING_TOKEN_HEADER, str(record.fencing_token).encode()),
+        ]
+        inner_scope["state"] = {**request.scope.get("state", {}), STATE_KEY: execution}
+        run = OwnerRun(self.store, record, lease=request.config.lease)
+        capture = ResponseCapture(request.send, max_stored_body=request.config.max_stored_body)
+        async with run.heartbeat():
+            try:
+                await self.app(inner_scope, replay_receive(request.body), capture.send)
+            except Exception:
+                log.exception("the app failed while executing an idempotent request")
+                execution.report(Outcome.AMBIGUOUS)
+        if not capture.complete:
+            # No full answer came back: the upstream may have acted on the request.
+            execution.report(Outcome.AMBIGUOUS)
+        status = classify(capture.status or 500, execution.outcome, request.config)
+        answer = self._answer_to_store(request, capture, status)
+        await self._finalize(request, run, status, answer)
+        if not capture.started:
+            # The app raised before answering: give the client what every retry will see.
+            fallback = stored_problem(
+                OutcomeUnknown("the app failed"), request_id_of(request.scope)
+            )
+            await send_stored(capture.send, answer or fallback, replayed=False)
+        await capture.release()
+
+    @staticmethod
+    def _answer_to_store(
+        request: KeyedRequest, capture: ResponseCapture, status: Status
+    ) -> StoredResponse | None:
+        if status not in REPLAYABLE:
+            return None
+        if capture.complete:
+            return capture.stored_response()
+        return stored_problem(
+            OutcomeUnknown("the answer to this request was cut off; its outcome is unknown"),
+            request_id_of(request.scope),
+        )
+
+    async def _finalize(
+        self, request: KeyedRequest, run: OwnerRun, status: Status, answer: StoredResponse | None
+    ) -> None:
+        written = await run.finalize(status, answer, attempts=self.finalize_attempts)
+        if written and answer is not None and status in REPLAYABLE:
+            await self.cache.put(
+                CachedAnswer(
+                    request.key,
+                    request.fingerprint,
+                    status,
+                    answer,
+                    run.record.expires_at.timestamp(),
+                )
+            )
+        # Waiters re-read the store whatever happened: even a fenced finalize means news.
+        await self.wakeups.notify(request.key)

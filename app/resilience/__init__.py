@@ -1,0 +1,1 @@
+"""Resilience toward upstreams: safe retries with backoff, retry budgets, circuit breakers."""

@@ -1,0 +1,125 @@
+"""The real gateway in the test's event loop: ``create_gateway`` served over loopback.
+
+    async with GatewayLauncher() as gateways:
+        gateway = await gateways.start(
+            gateway_config(upstream.url, routes=[route("/", key="required")]),
+            database_url=database_url,
+        )
+        response = await gateway.client.post("/v1/charges", headers={...})
+
+``gateway_config`` builds a validated config from a few overrides (one upstream, named
+``primary``, unless ``upstreams`` says otherwise); ``route`` writes one route entry. The
+launcher stops every gateway it started (lifespan shutdown included) when it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from app.config import GatewayConfig, validate_config
+from app.main import Gateway, create_gateway
+from tests.support.servers import free_port, serve_asgi
+
+PRIMARY = "primary"
+# What ``idempotency-gateway serve`` tells uvicorn (app/cli.py): the gateway alone decides
+# whose X-Forwarded-* to believe, so uvicorn must not rewrite the client address first.
+CLI_SERVER_OPTIONS: dict[str, Any] = {"proxy_headers": False, "server_header": False}
+
+
+def route(
+    prefix: str, *, name: str | None = None, upstream: str = PRIMARY, **idempotency: Any
+) -> dict[str, Any]:
+    """One ``routes`` entry; keyword arguments are its ``idempotency`` settings."""
+    entry: dict[str, Any] = {
+        "name": name or (prefix.strip("/").replace("/", "-") or "root"),
+        "match": {"path_prefix": prefix},
+        "upstream": upstream,
+    }
+    if idempotency:
+        entry["idempotency"] = idempotency
+    return entry
+
+
+def gateway_config(
+    upstream_url: str,
+    *,
+    routes: list[dict[str, Any]] | None = None,
+    timeouts: Mapping[str, Any] | None = None,
+    retry: Mapping[str, Any] | None = None,
+    upstreams: Mapping[str, Mapping[str, Any]] | None = None,
+    **settings: Any,
+) -> GatewayConfig:
+    """A validated config: upstream ``primary`` at ``upstream_url``, by default one route ``/``.
+
+    ``timeouts`` and ``retry`` are the ``primary`` upstream's sections; ``upstreams`` adds (or
+    replaces) upstream entries; ``settings`` are top-level sections such as ``limits``,
+    ``store``, ``store_unavailable`` or ``trusted_proxies``.
+    """
+    primary: dict[str, Any] = {"url": upstream_url}
+    if timeouts:
+        primary["timeouts"] = dict(timeouts)
+    if retry:
+        primary["retry"] = dict(retry)
+    data: dict[str, Any] = {
+        "upstreams": {PRIMARY: primary, **(upstreams or {})},
+        "routes": routes or [route("/")],
+        **settings,
+    }
+    return validate_config(data, source="test")
+
+
+def unreachable_database_url() -> str:
+    """A PostgreSQL URL on a loopback port nobody listens on: every connect is refused."""
+    return f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nowhere"
+
+
+@dataclass(frozen=True)
+class RunningGateway:
+    url: str
+    app: Gateway
+    client: httpx.AsyncClient
+    """Talks to ``url``; relative paths work (``client.post("/v1/charges")``)."""
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    config: GatewayConfig, *, database_url: str
+) -> AsyncIterator[RunningGateway]:
+    """Build the gateway with ``create_gateway`` and serve it (lifespan on) over loopback."""
+    gateway = create_gateway(config, database_url=database_url)
+    async with (
+        serve_asgi(gateway, **CLI_SERVER_OPTIONS) as url,
+        # trust_env off: a proxy in the environment must never sit between test and gateway.
+        httpx.AsyncClient(base_url=url, timeout=10.0, trust_env=False) as client,
+    ):
+        yield RunningGateway(url, gateway, client)
+
+
+class GatewayLauncher:
+    """Starts gateways on demand in a test and stops them all, in reverse order, at the end."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.AsyncExitStack()
+
+    async def start(self, config: GatewayConfig, *, database_url: str) -> RunningGateway:
+        return await self._stack.enter_async_context(
+            running_gateway(config, database_url=database_url)
+        )
+
+    async def __aenter__(self) -> Self:
+        await self._stack.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._stack.__aexit__(exc_type, exc, tb)

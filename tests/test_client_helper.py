@@ -1,0 +1,340 @@
+"""The Python client helper (``app.client``) against the real gateway over loopback HTTP.
+
+``idempotency_key`` derives one stable key from business ids. ``IdempotentClient`` sends the same
+key on every attempt, waits out a 409 until the first request's answer is replayed, honours
+``Retry-After``, stops at its overall deadline, stops at once on answers a retry cannot change
+(400, 422, any replayed answer), retries a request that never left, and never resends an unkeyed
+POST that may have executed. Pauses go through a fake ``sleep`` on a hand-moved clock, so the
+test records them instead of waiting; the gateway does not retry by itself here
+(``max_attempts: 1``), so every extra upstream execution is the client's doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from app.client import IdempotentClient, idempotency_key
+from tests.support import RecordingUpstream, free_port
+from tests.support.fake_time import FakeTime
+from tests.support.gateway import (
+    PRIMARY,
+    GatewayLauncher,
+    RunningGateway,
+    gateway_config,
+    route,
+)
+
+CHARGES = "/v1/charges"
+CHARGE = {"amount": 1000, "currency": "usd"}
+
+
+# ------------------------------------------------------------------------ idempotency_key
+
+
+def test_idempotency_key_is_stable_across_calls_processes_and_releases() -> None:
+    assert idempotency_key("order", 1042) == idempotency_key("order", 1042)
+    assert idempotency_key("order", 1042) == idempotency_key("order", "1042")
+    # Pinned: a key stored before an upgrade must still match the retry sent after it.
+    assert idempotency_key("order", 1042) == (
+        "0ffad89ccc2da00134811611f70dff42d6df70eb2382bd7b61e73f5b2cee6fc4"
+    )
+    assert idempotency_key("order", 1042, namespace="charges") == (
+        "96d06c6dd9d9f43d7121f03496242af2aef8fd862957873a20e29194dc7ce02b"
+    )
+
+
+def test_idempotency_key_differs_for_different_ids_and_namespaces() -> None:
+    keys = [
+        idempotency_key("order", 1042),
+        idempotency_key("order", 1043),
+        idempotency_key("refund", 1042),
+        idempotency_key("order", 1042, namespace="charges"),
+        idempotency_key("order", 1042, namespace="refunds"),
+        idempotency_key("order", 1042, 1),
+        # Boundaries between ids count: ("ab", "c") is not ("a", "bc") nor ("abc",).
+        idempotency_key("ab", "c"),
+        idempotency_key("a", "bc"),
+        idempotency_key("abc"),
+        idempotency_key(""),
+    ]
+    assert len(set(keys)) == len(keys)
+
+
+def test_idempotency_key_is_never_empty_and_always_a_valid_header_value() -> None:
+    for key in (idempotency_key(""), idempotency_key("x" * 10_000), idempotency_key("é", 0)):
+        assert len(key) == 64
+        assert all(character in "0123456789abcdef" for character in key)
+    with pytest.raises(ValueError, match="at least one business id"):
+        idempotency_key()
+
+
+# ------------------------------------------------------------------------ IdempotentClient
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with RecordingUpstream() as running:
+        yield running
+
+
+@pytest.fixture
+async def gateway(upstream: RecordingUpstream, postgres_url: str) -> AsyncIterator[RunningGateway]:
+    """Key optional on ``/``; no retries inside the gateway."""
+    config = gateway_config(
+        upstream.url,
+        upstreams={PRIMARY: {"url": upstream.url, "retry": {"max_attempts": 1}}},
+        routes=[route("/")],
+    )
+    async with GatewayLauncher() as launcher:
+        yield await launcher.start(config, database_url=postgres_url)
+
+
+@pytest.fixture
+def fake_time() -> FakeTime:
+    return FakeTime()
+
+
+@pytest.fixture
+def sent() -> list[httpx.Request]:
+    """Every request the client put on the wire, in order."""
+    return []
+
+
+MakeClient = Callable[..., IdempotentClient]
+
+
+@pytest.fixture
+async def make_client(
+    gateway: RunningGateway, fake_time: FakeTime, sent: list[httpx.Request]
+) -> AsyncIterator[MakeClient]:
+    """``make_client(base_url=gateway, timeout=10, **IdempotentClient options)`` on fake time;
+    the clients are closed at the end."""
+    clients: list[IdempotentClient] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(request)
+
+    def make(
+        *, base_url: str | None = None, timeout: float = 10.0, **options: Any
+    ) -> IdempotentClient:
+        http = httpx.AsyncClient(
+            base_url=base_url or gateway.url,
+            timeout=timeout,
+            trust_env=False,
+            event_hooks={"request": [record]},
+        )
+        client = IdempotentClient(
+            http=http, sleep=fake_time.sleep, clock=fake_time, uniform=fake_time.uniform, **options
+        )
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.http.aclose()
+
+
+def keys_sent(sent: list[httpx.Request]) -> list[str | None]:
+    return [request.headers.get("Idempotency-Key") for request in sent]
+
+
+async def test_in_flight_409_is_waited_out_until_the_answer_is_replayed(
+    make_client: MakeClient,
+    gateway: RunningGateway,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    sent: list[httpx.Request],
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("held")
+    first = asyncio.create_task(
+        gateway.client.post(
+            CHARGES, json=CHARGE, headers={"Idempotency-Key": key, "X-Test-Behavior": "gate=held"}
+        )
+    )
+    await upstream.wait_arrived("held")
+
+    async def first_request_finishes(_pause: float) -> None:
+        upstream.release("held")
+        await first
+
+    fake_time.on_sleep = first_request_finishes
+    client = make_client()
+
+    response = await client.post(
+        CHARGES, key=key, json=CHARGE, headers={"X-Test-Behavior": "gate=held"}
+    )
+
+    original = await first
+    assert original.status_code == 201
+    assert response.status_code == 201
+    assert response.headers["idempotent-replayed"] == "true"
+    assert response.content == original.content
+    assert fake_time.sleeps == [1.0]  # the 409's Retry-After
+    assert keys_sent(sent) == [key, key]
+    assert upstream.count(key) == 1
+
+
+async def test_key_reused_with_a_different_request_is_422_at_once(
+    make_client: MakeClient,
+    gateway: RunningGateway,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    sent: list[httpx.Request],
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("reused")
+    assert (
+        await gateway.client.post(CHARGES, json=CHARGE, headers={"Idempotency-Key": key})
+    ).is_success
+
+    response = await make_client().post(CHARGES, key=key, json={**CHARGE, "amount": 1})
+
+    assert response.status_code == 422
+    assert len(sent) == 1
+    assert fake_time.sleeps == []
+    assert upstream.count(key) == 1
+
+
+async def test_malformed_key_is_400_at_once(
+    make_client: MakeClient,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    sent: list[httpx.Request],
+) -> None:
+    response = await make_client().post(CHARGES, key="has space", json=CHARGE)
+
+    assert response.status_code == 400
+    assert len(sent) == 1
+    assert fake_time.sleeps == []
+    assert upstream.total == 0
+
+
+async def test_a_replayed_answer_is_final_even_with_a_retryable_status(
+    make_client: MakeClient,
+    gateway: RunningGateway,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    sent: list[httpx.Request],
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("replayed-500")
+    stored = await gateway.client.post(
+        CHARGES, json=CHARGE, headers={"Idempotency-Key": key, "X-Test-Behavior": "status=500"}
+    )
+    assert stored.status_code == 500
+
+    response = await make_client().post(CHARGES, key=key, json=CHARGE)
+
+    # The gateway will replay this 500 forever: retrying only adds load and delay.
+    assert response.status_code == 500
+    assert response.headers["idempotent-replayed"] == "true"
+    assert len(sent) == 1
+    assert fake_time.sleeps == []
+    assert upstream.count(key) == 1
+
+
+async def test_retry_after_from_the_answer_sets_the_pause(
+    make_client: MakeClient,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    sent: list[httpx.Request],
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("retry-after")
+
+    response = await make_client().post(
+        CHARGES,
+        key=key,
+        json=CHARGE,
+        headers={"X-Test-Behavior": "status-first=503,retry-after=2"},
+    )
+
+    assert response.status_code == 201
+    assert fake_time.sleeps == [2.0]
+    assert keys_sent(sent) == [key, key]
+    # The 503 left the key retryable: the second attempt executed under the next token.
+    assert [e.fencing_token for e in upstream.executions_for(key)] == [1, 2]
+
+
+async def test_overall_deadline_stops_retrying(
+    make_client: MakeClient,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    sent: list[httpx.Request],
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("deadline")
+    client = make_client(max_attempts=10, deadline=10.0)
+
+    response = await client.post(
+        CHARGES, key=key, json=CHARGE, headers={"X-Test-Behavior": "status=503,retry-after=4"}
+    )
+
+    # Attempts at t=0, 4 and 8; another pause of 4s would end past t=10.
+    assert response.status_code == 503
+    assert fake_time.sleeps == [4.0, 4.0]
+    assert len(sent) == 3
+    assert upstream.count(key) == 3
+
+
+@pytest.mark.parametrize("key", ["order-7", None], ids=["keyed", "unkeyed-POST"])
+async def test_connection_refused_is_retried_then_raised(
+    make_client: MakeClient, fake_time: FakeTime, sent: list[httpx.Request], key: str | None
+) -> None:
+    client = make_client(
+        base_url=f"http://127.0.0.1:{free_port()}", max_attempts=3, base=0.1, cap=5.0
+    )
+
+    with pytest.raises(httpx.ConnectError):
+        await client.request("POST", CHARGES, key=key, json=CHARGE)
+
+    # Never sent, so safe to resend even without a key.
+    assert len(sent) == 3
+    assert keys_sent(sent) == [key] * 3
+    assert fake_time.jitter_bounds == [(0.0, 0.1), (0.0, 0.2)]
+    assert fake_time.sleeps == [0.1, 0.2]
+
+
+async def test_unkeyed_post_answered_503_is_not_retried(
+    make_client: MakeClient,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    sent: list[httpx.Request],
+) -> None:
+    response = await make_client().request(
+        "POST", CHARGES, json=CHARGE, headers={"X-Test-Behavior": "status=503"}
+    )
+
+    assert response.status_code == 503
+    assert len(sent) == 1
+    assert fake_time.sleeps == []
+    assert upstream.total == 1
+
+
+async def test_unkeyed_post_whose_answer_timed_out_is_not_retried(
+    make_client: MakeClient,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    sent: list[httpx.Request],
+) -> None:
+    client = make_client(timeout=0.3)
+
+    with pytest.raises(httpx.ReadTimeout):
+        await client.request("POST", CHARGES, json=CHARGE, headers={"X-Test-Behavior": "gate=slow"})
+
+    upstream.release("slow")  # lets the gateway finish before it shuts down
+    assert len(sent) == 1
+    assert fake_time.sleeps == []
+    assert upstream.total == 1
+
+
+def test_idempotency_key_namespace_cannot_be_forged_from_ids() -> None:
+    # A namespace that spells out a length prefix must not collide with an extra id.
+    forged = idempotency_key("z", namespace="x\0\0\0\x01y")
+    assert forged != idempotency_key("y", "z", namespace="x")

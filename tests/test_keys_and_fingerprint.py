@@ -1,0 +1,325 @@
+"""The key parser accepts exactly what SPEC section 3 allows, the scope never reveals or mixes up
+credentials, and the request fingerprint tells a faithful retry from a different request without
+ever raising on a hostile body."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import pytest
+
+from app.asgi import Headers
+from app.errors import InvalidIdempotencyKey
+from app.idempotency.fingerprint import request_hash
+from app.idempotency.keys import ANONYMOUS_SCOPE, parse_idempotency_key, scope_of
+
+KEY_HEADER = b"idempotency-key"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def key_of(*values: bytes) -> str | None:
+    headers: Headers = [(b"content-type", b"application/json")]
+    headers += [(KEY_HEADER, value) for value in values]
+    return parse_idempotency_key(headers, KEY_HEADER)
+
+
+# ------------------------------------------------------------------------ Idempotency-Key
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param(b"order-42", "order-42", id="bare-token"),
+        pytest.param(
+            b"9f1c2b7e-5a4d-4f7e-8c3b-2a1d0e9f8c7b",
+            "9f1c2b7e-5a4d-4f7e-8c3b-2a1d0e9f8c7b",
+            id="uuid",
+        ),
+        pytest.param(b"!#$%&'*+-.^_`|~:/=?@[]{}", "!#$%&'*+-.^_`|~:/=?@[]{}", id="punctuation"),
+        pytest.param(b'"abc"', "abc", id="sf-string"),
+        pytest.param(rb'"a\"b\\c"', 'a"b\\c', id="sf-string-escapes"),
+        pytest.param(b"x" * 255, "x" * 255, id="255-chars"),
+        pytest.param(b'"' + b"x" * 255 + b'"', "x" * 255, id="255-chars-sf-string"),
+        pytest.param(b" \t order-42 \t ", "order-42", id="surrounding-ows"),
+        pytest.param(b'  "abc"\t', "abc", id="sf-string-surrounding-ows"),
+    ],
+)
+def test_valid_key_is_accepted(raw: bytes, expected: str) -> None:
+    assert key_of(raw) == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(b"x" * 256, id="256-chars"),
+        pytest.param(b'"' + b"x" * 256 + b'"', id="256-chars-sf-string"),
+        pytest.param(b"", id="empty"),
+        pytest.param(b"   ", id="only-whitespace"),
+        pytest.param(b'""', id="empty-sf-string"),
+        pytest.param(b"order 42", id="space-inside"),
+        pytest.param(b'"order 42"', id="space-inside-sf-string"),
+        pytest.param(b"order\t42", id="tab-inside"),
+        pytest.param("café".encode(), id="non-ascii-utf8"),
+        pytest.param(b"caf\xe9", id="non-ascii-latin1"),
+        pytest.param(b"order\x0042", id="nul"),
+        pytest.param(b"order\x1b42", id="escape-control"),
+        pytest.param(b"order\x7f42", id="delete-control"),
+        pytest.param(b'"a";x=1', id="sf-string-with-parameter"),
+        pytest.param(b'"abc', id="unterminated-sf-string"),
+        pytest.param(b'"abc\\"', id="escaped-closing-quote"),
+        pytest.param(rb'"a\nb"', id="invalid-escape"),
+        pytest.param(b'"a"b"', id="text-after-sf-string"),
+        pytest.param(b'"a", "b"', id="sf-list"),
+    ],
+)
+def test_malformed_key_is_rejected(raw: bytes) -> None:
+    with pytest.raises(InvalidIdempotencyKey):
+        key_of(raw)
+
+
+def test_two_key_fields_are_rejected() -> None:
+    with pytest.raises(InvalidIdempotencyKey):
+        key_of(b"order-42", b"order-42")
+
+
+def test_absent_key_is_none() -> None:
+    assert key_of() is None
+
+
+def test_key_is_read_from_the_configured_header_only() -> None:
+    headers: Headers = [(b"x-request-key", b"custom"), (KEY_HEADER, b"standard")]
+    assert parse_idempotency_key(headers, b"x-request-key") == "custom"
+    assert parse_idempotency_key(headers, b"x-other") is None
+
+
+# ---------------------------------------------------------------------------------- scope
+
+AUTHORIZATION = (b"authorization",)
+ACCOUNT_AND_AUTHORIZATION = (b"authorization", b"stripe-account")
+
+
+def test_same_credential_gives_same_scope() -> None:
+    first = scope_of([(b"authorization", b"Bearer sk_live_1")], AUTHORIZATION)
+    again = scope_of([(b"accept", b"*/*"), (b"authorization", b"Bearer sk_live_1")], AUTHORIZATION)
+    assert first == again
+
+
+def test_different_credentials_give_different_scopes() -> None:
+    assert scope_of([(b"authorization", b"Bearer sk_live_1")], AUTHORIZATION) != scope_of(
+        [(b"authorization", b"Bearer sk_live_2")], AUTHORIZATION
+    )
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param([], id="no-headers"),
+        pytest.param([(b"x-api-key", b"secret")], id="unconfigured-credential-header"),
+    ],
+)
+def test_no_credential_is_anonymous(headers: Headers) -> None:
+    assert scope_of(headers, AUTHORIZATION) == ANONYMOUS_SCOPE
+
+
+def test_scope_never_contains_the_credential() -> None:
+    credential = b"Bearer sk_live_0123456789abcdef0123456789abcdef"
+
+    scope = scope_of([(b"authorization", credential)], AUTHORIZATION)
+
+    assert SHA256_HEX.fullmatch(scope)
+    assert "sk_live" not in scope
+    assert credential.split()[1].decode() not in scope
+
+
+def test_scope_from_two_headers_ignores_field_order() -> None:
+    auth = (b"authorization", b"Bearer sk_1")
+    account = (b"stripe-account", b"acct_1")
+
+    assert scope_of([auth, account], ACCOUNT_AND_AUTHORIZATION) == scope_of(
+        [account, auth], ACCOUNT_AND_AUTHORIZATION
+    )
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        pytest.param(
+            [(b"authorization", b"A"), (b"stripe-account", b"B")],
+            [(b"authorization", b"B"), (b"stripe-account", b"A")],
+            id="values-swapped-between-headers",
+        ),
+        pytest.param(
+            [(b"authorization", b"ab"), (b"stripe-account", b"c")],
+            [(b"authorization", b"a"), (b"stripe-account", b"bc")],
+            id="value-boundary-moved",
+        ),
+        pytest.param(
+            [(b"authorization", b"A")],
+            [(b"stripe-account", b"A")],
+            id="same-value-under-other-header",
+        ),
+        pytest.param(
+            [(b"authorization", b"A")],
+            [(b"authorization", b"A"), (b"stripe-account", b"B")],
+            id="second-header-added",
+        ),
+    ],
+)
+def test_scope_from_two_headers_keeps_tenants_apart(one: Headers, other: Headers) -> None:
+    assert scope_of(one, ACCOUNT_AND_AUTHORIZATION) != scope_of(other, ACCOUNT_AND_AUTHORIZATION)
+
+
+# ---------------------------------------------------------------------------- fingerprint
+
+
+def fingerprint(
+    *,
+    method: str = "POST",
+    path: str = "/v1/charges",
+    query: bytes = b"",
+    content_type: bytes | None = b"application/json",
+    body: bytes = b'{"amount":1250,"currency":"EUR"}',
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    extra_headers: tuple[bytes, ...] = (),
+) -> str:
+    all_headers: Headers = [(b"host", b"api.example")]
+    if content_type is not None:
+        all_headers.append((b"content-type", content_type))
+    all_headers += list(headers)
+    return request_hash(
+        method=method,
+        path=path,
+        query_string=query,
+        headers=all_headers,
+        body=body,
+        extra_headers=extra_headers,
+    )
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [b"application/json", b"application/json; charset=utf-8", b"application/vnd.x+json"],
+)
+def test_json_key_order_and_whitespace_do_not_change_the_hash(content_type: bytes) -> None:
+    compact = b'{"amount":1250,"metadata":{"a":1,"b":[1,2]},"currency":"EUR"}'
+    reordered = (
+        b'{\n  "currency": "EUR",\n  "metadata": {"b": [1, 2], "a": 1},\n  "amount": 1250\n}'
+    )
+
+    assert fingerprint(content_type=content_type, body=compact) == fingerprint(
+        content_type=content_type, body=reordered
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "other_body"),
+    [
+        pytest.param(b'{"amount":1250}', b'{"amount":1251}', id="number"),
+        pytest.param(b'{"currency":"EUR"}', b'{"currency":"USD"}', id="string"),
+        pytest.param(b'{"items":[1,2]}', b'{"items":[2,1]}', id="array-order"),
+        pytest.param(b'{"a":1}', b'{"a":1,"b":null}', id="extra-null-member"),
+    ],
+)
+def test_different_json_value_changes_the_hash(body: bytes, other_body: bytes) -> None:
+    assert fingerprint(body=body) != fingerprint(body=other_body)
+
+
+def test_invalid_json_under_json_content_type_hashes_as_bytes() -> None:
+    truncated = fingerprint(body=b'{"amount":1250')
+
+    assert SHA256_HEX.fullmatch(truncated)
+    assert truncated == fingerprint(body=b'{"amount":1250')
+    assert truncated != fingerprint(body=b'{"amount": 1250')
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b'{"n":' + b"9" * 400 + b"}", id="huge-integer"),
+        pytest.param(b'{"n":9007199254740993}', id="integer-beyond-double"),
+        pytest.param(b'{"n":1e400}', id="float-overflow"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="100000-nested-lists"),
+        pytest.param(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, id="100000-nested-objects"),
+        pytest.param(b"[" * 1000 + b"]" * 1000, id="1000-nested-lists"),
+        pytest.param(b'"\xff\xfe"', id="invalid-utf8"),
+    ],
+)
+def test_hostile_json_body_hashes_without_raising(body: bytes) -> None:
+    digest = fingerprint(body=body)
+
+    assert SHA256_HEX.fullmatch(digest)
+    assert digest == fingerprint(body=body)
+    assert digest != fingerprint(body=body + b" ")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [b"application/octet-stream", b"text/plain", b"application/x-www-form-urlencoded", None],
+)
+def test_non_json_bodies_are_compared_byte_for_byte(content_type: bytes | None) -> None:
+    def of(body: bytes) -> str:
+        return fingerprint(content_type=content_type, body=body)
+
+    assert of(b"a=1&b=2") == of(b"a=1&b=2")
+    assert of(b"a=1&b=2") != of(b"b=2&a=1")
+    assert of(b'{"a":1,"b":2}') != of(b'{"b":2,"a":1}')
+    assert of(b"payload") != of(b"payload\n")
+
+
+def test_query_order_does_not_change_the_hash() -> None:
+    assert fingerprint(query=b"expand=customer&limit=10") == fingerprint(
+        query=b"limit=10&expand=customer"
+    )
+
+
+@pytest.mark.parametrize(
+    ("query", "other_query"),
+    [
+        pytest.param(b"limit=10", b"limit=11", id="value"),
+        pytest.param(b"limit=10", b"", id="missing"),
+        pytest.param(b"limit=", b"", id="blank-value"),
+        pytest.param(b"a=1&b=2", b"a=2&b=1", id="values-swapped"),
+    ],
+)
+def test_query_values_change_the_hash(query: bytes, other_query: bytes) -> None:
+    assert fingerprint(query=query) != fingerprint(query=other_query)
+
+
+@pytest.mark.parametrize(
+    "difference",
+    [
+        pytest.param({"method": "PATCH"}, id="method"),
+        pytest.param({"path": "/v1/refunds"}, id="path"),
+        pytest.param({"path": "/v1/charges/"}, id="trailing-slash"),
+        pytest.param({"content_type": b"application/x-www-form-urlencoded"}, id="content-type"),
+        pytest.param({"content_type": None}, id="no-content-type"),
+        pytest.param({"body": b""}, id="empty-body"),
+    ],
+)
+def test_request_line_content_type_and_body_change_the_hash(difference: dict[str, object]) -> None:
+    assert fingerprint(**difference) != fingerprint()  # type: ignore[arg-type]
+
+
+def test_configured_extra_headers_change_the_hash() -> None:
+    extra = (b"stripe-version",)
+
+    def with_version(*values: bytes) -> str:
+        headers = [(b"stripe-version", value) for value in values]
+        return fingerprint(headers=headers, extra_headers=extra)
+
+    assert with_version(b"2024-06-20") == with_version(b"2024-06-20")
+    assert with_version(b"2024-06-20") != with_version(b"2023-10-16")
+    assert with_version(b"2024-06-20") != with_version()
+    assert with_version(b"a", b"b") != with_version(b"b", b"a")
+
+
+def test_unconfigured_headers_do_not_change_the_hash() -> None:
+    noisy = [
+        (b"user-agent", b"curl/8"),
+        (b"x-request-id", b"req-123"),
+        (b"stripe-version", b"2024-06-20"),
+        (b"idempotency-key", b"order-42"),
+    ]
+
+    assert fingerprint(headers=noisy) == fingerprint()

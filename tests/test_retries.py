@@ -1,0 +1,687 @@
+"""Retries toward upstreams are safe, bounded and explained (SPEC section 7).
+
+First the retry loop itself (``ResilientUpstream`` with a real aiohttp client against a recording
+upstream, on a hand-moved clock with a fake ``sleep``): ``Retry-After`` and full jitter set the
+pauses, the deadline and the retry budget end the loop, an open breaker stops it at once, and a
+half-open breaker lets exactly ``half_open_calls`` concurrent probes through.
+
+Then the real gateway over loopback HTTP: exact upstream attempt counts for each kind of
+failure and request (a keyed or safe request is retried, an unkeyed POST that was sent never
+is, one that never left always may be), ``Retry-After`` against the deadline, the client's
+``X-Request-Timeout``, the budget under a retry storm, the breaker opening in front of an
+upstream that fails, and the log line that says why each request was or was not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import httpx
+import pytest
+
+from app.config import UpstreamConfig
+from app.errors import CircuitOpen, DeadlineExhausted
+from app.idempotency.record import RecordKey, Status
+from app.idempotency.store import RecordStore
+from app.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
+from app.proxy.deadline import Deadline
+from app.resilience.breaker import BreakerState
+from app.resilience.retry import RequestFactory, ResilientUpstream, RetryPlan
+from tests.support import RecordingUpstream, eventually, free_port
+from tests.support.fake_time import FakeTime
+from tests.support.gateway import (
+    PRIMARY,
+    GatewayLauncher,
+    RunningGateway,
+    gateway_config,
+    route,
+)
+
+CHARGES = "/v1/charges"
+PROBLEM_TYPE_PREFIX = "urn:idempotency-gateway:problem:"
+RETRY_LOGGER = "app.resilience.retry"
+KEYED = RetryPlan(idempotent=True, retry_ambiguous=False, ambiguous_statuses=frozenset({502, 504}))
+# Pauses of a millisecond keep the gateway tests fast; the pause math has its own tests.
+FAST_RETRY = {"base": "1ms", "cap": "1ms"}
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with RecordingUpstream() as running:
+        yield running
+
+
+@pytest.fixture
+def retry_log(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
+    """The retry loop's log messages so far: each says why it did or did not retry."""
+    caplog.set_level(logging.INFO, logger=RETRY_LOGGER)
+    return lambda: [r.getMessage() for r in caplog.records if r.name == RETRY_LOGGER]
+
+
+def count_containing(messages: list[str], text: str) -> int:
+    return sum(text in message for message in messages)
+
+
+def retries_in(messages: list[str]) -> list[str]:
+    """The lines announcing a retry (one per extra attempt)."""
+    return [message for message in messages if message.startswith("retrying upstream")]
+
+
+def final_decisions_in(messages: list[str]) -> list[str]:
+    """The lines saying why the loop stopped retrying."""
+    return [message for message in messages if message.startswith("not retrying upstream")]
+
+
+# ------------------------------------------------------- the retry loop on a manual clock
+
+
+def deadline(time: FakeTime, seconds: float) -> Deadline:
+    return Deadline(seconds, clock=time)
+
+
+class MakeResilient(Protocol):
+    def __call__(self, **config: Any) -> Awaitable[ResilientUpstream]: ...
+
+
+@pytest.fixture
+def fake_time() -> FakeTime:
+    return FakeTime()
+
+
+@pytest.fixture
+async def make_resilient(
+    upstream: RecordingUpstream, fake_time: FakeTime
+) -> AsyncIterator[MakeResilient]:
+    """``await make_resilient(retry={...}, breaker={...})``: a started ``ResilientUpstream``
+    to the recording upstream, on ``fake_time``."""
+    clients: list[UpstreamClient] = []
+
+    async def make(**config: Any) -> ResilientUpstream:
+        client = UpstreamClient("payments", UpstreamConfig(url=upstream.url, **config))
+        await client.start()
+        clients.append(client)
+        return ResilientUpstream(
+            client, clock=fake_time, sleep=fake_time.sleep, uniform=fake_time.uniform
+        )
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+def charge_request(upstream: RecordingUpstream, behavior: str, key: str = "k1") -> RequestFactory:
+    """A keyed POST to the recording upstream, scripted by ``behavior``."""
+
+    def make(head_within: float) -> UpstreamRequest:
+        return UpstreamRequest(
+            method="POST",
+            url=f"{upstream.url}{CHARGES}",
+            headers=[
+                ("Idempotency-Key", key),
+                ("X-Test-Behavior", behavior),
+                ("X-Request-Timeout", f"{head_within:.3f}"),
+            ],
+            body=b"{}",
+        )
+
+    return make
+
+
+async def status_of(answer: Awaitable[UpstreamResponse]) -> int:
+    response = await answer
+    response.release()
+    return response.status
+
+
+async def test_retry_after_sets_the_pause_between_attempts(
+    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+) -> None:
+    resilient = await make_resilient(retry={"max_attempts": 3})
+
+    status = await status_of(
+        resilient.open(
+            charge_request(upstream, "status=503,retry-after=3"),
+            deadline=deadline(fake_time, 10.0),
+            plan=KEYED,
+        )
+    )
+
+    assert status == 503
+    assert upstream.count("k1") == 3
+    assert fake_time.sleeps == [3.0, 3.0]
+
+
+async def test_retry_after_past_the_deadline_ends_the_loop(
+    make_resilient: MakeResilient,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    retry_log: Callable[[], list[str]],
+) -> None:
+    resilient = await make_resilient(retry={"max_attempts": 3})
+
+    status = await status_of(
+        resilient.open(
+            charge_request(upstream, "status=503,retry-after=20"),
+            deadline=deadline(fake_time, 10.0),
+            plan=KEYED,
+        )
+    )
+
+    assert status == 503
+    assert upstream.count("k1") == 1
+    assert fake_time.sleeps == []
+    assert count_containing(retry_log(), "a pause of 20.000s would not leave time") == 1
+
+
+async def test_pauses_are_full_jitter_growing_to_the_cap(
+    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+) -> None:
+    resilient = await make_resilient(retry={"max_attempts": 4, "base": "100ms", "cap": "250ms"})
+
+    await status_of(
+        resilient.open(
+            charge_request(upstream, "status=503"), deadline=deadline(fake_time, 10.0), plan=KEYED
+        )
+    )
+
+    assert upstream.count("k1") == 4
+    assert fake_time.jitter_bounds == [(0.0, 0.1), (0.0, 0.2), (0.0, 0.25)]
+    assert fake_time.sleeps == [0.1, 0.2, 0.25]
+
+
+async def test_a_deadline_with_no_time_left_sends_nothing(
+    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+) -> None:
+    resilient = await make_resilient()
+
+    with pytest.raises(DeadlineExhausted):
+        await resilient.open(
+            charge_request(upstream, "status=201"), deadline=deadline(fake_time, 0.001), plan=KEYED
+        )
+
+    assert upstream.total == 0
+
+
+async def test_an_open_breaker_stops_the_retry_loop_at_once(
+    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+) -> None:
+    resilient = await make_resilient(
+        retry={"max_attempts": 5}, breaker={"min_calls": 2, "failure_rate": 0.5}
+    )
+
+    with pytest.raises(CircuitOpen):
+        await resilient.open(
+            charge_request(upstream, "status=503"), deadline=deadline(fake_time, 10.0), plan=KEYED
+        )
+
+    # The second 503 opened the breaker: attempt 3 asked it and was refused.
+    assert upstream.count("k1") == 2
+    assert resilient.breaker.state is BreakerState.OPEN
+
+
+async def test_an_empty_retry_budget_means_no_retry(
+    make_resilient: MakeResilient,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    retry_log: Callable[[], list[str]],
+) -> None:
+    resilient = await make_resilient(
+        retry={"max_attempts": 3, "budget": {"ratio": 0, "min_per_second": 0}}
+    )
+
+    status = await status_of(
+        resilient.open(
+            charge_request(upstream, "status=503"), deadline=deadline(fake_time, 10.0), plan=KEYED
+        )
+    )
+
+    assert status == 503
+    assert upstream.count("k1") == 1
+    assert fake_time.sleeps == []
+    assert count_containing(retry_log(), "the retry budget is exhausted") == 1
+
+
+async def test_half_open_breaker_lets_only_half_open_calls_concurrent_probes_through(
+    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+) -> None:
+    resilient = await make_resilient(
+        retry={"max_attempts": 1},
+        breaker={"min_calls": 2, "failure_rate": 0.5, "open_for": "10s", "half_open_calls": 2},
+    )
+    for key in ("fail-1", "fail-2"):
+        status = await status_of(
+            resilient.open(
+                charge_request(upstream, "status=500", key),
+                deadline=deadline(fake_time, 10.0),
+                plan=KEYED,
+            )
+        )
+        assert status == 500
+    assert resilient.breaker.state is BreakerState.OPEN
+    fake_time.advance(10.0)
+
+    attempts = [
+        asyncio.create_task(
+            status_of(
+                resilient.open(
+                    charge_request(upstream, "gate=probes", f"probe-{n}"),
+                    deadline=deadline(fake_time, 10.0),
+                    plan=KEYED,
+                )
+            )
+        )
+        for n in range(6)
+    ]
+    await eventually(lambda: upstream.arrivals("probes") == 2)
+    await eventually(lambda: sum(task.done() for task in attempts) == 4)
+
+    # Everyone but the probes was refused without reaching the upstream.
+    rejected = [task for task in attempts if task.done()]
+    for task in rejected:
+        assert isinstance(task.exception(), CircuitOpen)
+    assert resilient.breaker.state is BreakerState.HALF_OPEN
+    upstream.release("probes")
+    probes = [task for task in attempts if task not in rejected]
+    assert await asyncio.gather(*probes) == [201, 201]
+    assert upstream.arrivals("probes") == 2
+    assert upstream.total == 2 + 2
+    assert resilient.breaker.state is BreakerState.CLOSED
+
+
+# --------------------------------------------------------------- through the real gateway
+
+
+class StartGateway(Protocol):
+    def __call__(
+        self,
+        *,
+        database_url: str,
+        upstream_url: str | None = None,
+        retry: dict[str, Any] | None = None,
+        breaker: dict[str, Any] | None = None,
+        timeouts: dict[str, str] | None = None,
+        **idempotency: Any,
+    ) -> Awaitable[RunningGateway]: ...
+
+
+@pytest.fixture
+async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGateway]:
+    """One route ``/`` to upstream ``primary`` (the recording upstream unless ``upstream_url``
+    says otherwise) with millisecond backoff; keyword arguments are the route's idempotency
+    settings (key ``optional`` by default). Gateways stop before the upstream does."""
+    async with GatewayLauncher() as launcher:
+
+        async def start(
+            *,
+            database_url: str,
+            upstream_url: str | None = None,
+            retry: dict[str, Any] | None = None,
+            breaker: dict[str, Any] | None = None,
+            timeouts: dict[str, str] | None = None,
+            **idempotency: Any,
+        ) -> RunningGateway:
+            url = upstream_url or upstream.url
+            primary: dict[str, Any] = {"url": url, "retry": {**FAST_RETRY, **(retry or {})}}
+            if breaker is not None:
+                primary["breaker"] = breaker
+            if timeouts is not None:
+                primary["timeouts"] = timeouts
+            config = gateway_config(
+                url, upstreams={PRIMARY: primary}, routes=[route("/", **idempotency)]
+            )
+            return await launcher.start(config, database_url=database_url)
+
+        yield start
+
+
+def send(
+    gateway: RunningGateway,
+    method: str = "POST",
+    *,
+    key: str | None = None,
+    behavior: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Awaitable[httpx.Response]:
+    sent = dict(headers or {})
+    if key is not None:
+        sent["Idempotency-Key"] = key
+    if behavior is not None:
+        sent["X-Test-Behavior"] = behavior
+    body = {"json": {"amount": 1000}} if method in ("POST", "PUT", "PATCH") else {}
+    return gateway.client.request(method, CHARGES, headers=sent, **body)
+
+
+def assert_problem(response: httpx.Response, status: int, slug: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    problem: dict[str, Any] = response.json()
+    assert problem["type"] == PROBLEM_TYPE_PREFIX + slug
+    assert problem["status"] == status
+    return problem
+
+
+async def record_status(store: RecordStore, key: str) -> Status:
+    record = await store.get(RecordKey("anonymous", f"POST {CHARGES}", key))
+    assert record is not None
+    return record.status
+
+
+async def test_503_twice_then_success_is_one_answer_from_three_attempts(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    postgres_url: str,
+    unique: Callable[[str], str],
+    retry_log: Callable[[], list[str]],
+) -> None:
+    gateway = await start_gateway(database_url=postgres_url, retry={"max_attempts": 3})
+    key = unique("503-then-201")
+
+    response = await send(gateway, key=key, behavior="status-first=503,times=2")
+
+    assert response.status_code == 201
+    assert response.json()["execution"] == upstream.executions_for(key)[-1].number
+    # One record, one owner: every attempt carries the same fencing token.
+    assert [e.fencing_token for e in upstream.executions_for(key)] == [1, 1, 1]
+    retries = retries_in(retry_log())
+    assert len(retries) == 2
+    assert all("primary after status 503" in line for line in retries)
+    replay = await send(gateway, key=key)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == response.content
+    assert upstream.count(key) == 3
+
+
+NOT_IDEMPOTENT = "the request is not idempotent"
+MAX_ATTEMPTS = "max_attempts (3) reached"
+
+
+@pytest.mark.parametrize(
+    ("method", "keyed", "status", "attempts", "reason"),
+    [
+        pytest.param("POST", True, 503, 3, MAX_ATTEMPTS, id="keyed-POST-503"),
+        pytest.param("POST", False, 503, 1, NOT_IDEMPOTENT, id="unkeyed-POST-503"),
+        pytest.param("PATCH", False, 429, 1, NOT_IDEMPOTENT, id="unkeyed-PATCH-429"),
+        pytest.param("GET", False, 503, 3, MAX_ATTEMPTS, id="GET-503"),
+        pytest.param("PUT", False, 503, 3, MAX_ATTEMPTS, id="PUT-503"),
+        pytest.param("DELETE", False, 429, 3, MAX_ATTEMPTS, id="DELETE-429"),
+        pytest.param("POST", True, 500, 1, "500 is not in retry_on", id="keyed-POST-500"),
+        pytest.param(
+            "POST",
+            True,
+            502,
+            1,
+            "502 is ambiguous and the route does not retry ambiguous failures",
+            id="keyed-POST-502",
+        ),
+        pytest.param("GET", False, 502, 3, MAX_ATTEMPTS, id="GET-502-is-safe-to-resend"),
+        pytest.param("GET", False, 404, 1, None, id="GET-404"),
+    ],
+)
+async def test_upstream_attempts_for_a_failure_that_never_ends(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    postgres_url: str,
+    unique: Callable[[str], str],
+    retry_log: Callable[[], list[str]],
+    method: str,
+    keyed: bool,
+    status: int,
+    attempts: int,
+    reason: str | None,
+) -> None:
+    gateway = await start_gateway(database_url=postgres_url, retry={"max_attempts": 3})
+    key = unique("always-failing") if keyed else None
+
+    response = await send(gateway, method, key=key, behavior=f"status={status}")
+
+    assert response.status_code == status
+    assert upstream.total == attempts
+    assert [e.method for e in upstream.executions] == [method] * attempts
+    assert len(retries_in(retry_log())) == attempts - 1
+    if reason is not None:
+        [final] = final_decisions_in(retry_log())
+        assert f"({attempts} attempts): {reason}" in final
+
+
+async def test_keyed_post_that_ran_out_of_attempts_is_failed_retryable_and_runs_again(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    store: RecordStore,
+    database_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    gateway = await start_gateway(database_url=database_url, retry={"max_attempts": 3})
+    key = unique("exhausted")
+
+    first = await send(gateway, key=key, behavior="status=503")
+
+    assert first.status_code == 503
+    assert upstream.count(key) == 3
+    assert await record_status(store, key) is Status.FAILED_RETRYABLE
+    retry = await send(gateway, key=key)
+    assert retry.status_code == 201
+    assert "idempotent-replayed" not in retry.headers
+    assert [e.fencing_token for e in upstream.executions_for(key)] == [1, 1, 1, 2]
+    assert await record_status(store, key) is Status.SUCCEEDED
+
+
+async def test_unkeyed_post_to_a_refused_port_is_retried_because_it_never_left(
+    start_gateway: StartGateway, postgres_url: str, retry_log: Callable[[], list[str]]
+) -> None:
+    gateway = await start_gateway(
+        database_url=postgres_url,
+        upstream_url=f"http://127.0.0.1:{free_port()}",
+        retry={"max_attempts": 3},
+    )
+
+    response = await send(gateway)
+
+    problem = assert_problem(response, 502, "upstream-unreachable")
+    assert problem["retryable"] is True
+    log = retry_log()
+    retries = retries_in(log)
+    assert len(retries) == 2
+    assert all("primary after cannot connect" in line for line in retries)
+    [final] = final_decisions_in(log)
+    assert f"after UpstreamNotSent (3 attempts): {MAX_ATTEMPTS}" in final
+
+
+async def test_429_whose_retry_after_passes_the_deadline_is_answered_at_once(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    store: RecordStore,
+    database_url: str,
+    unique: Callable[[str], str],
+    retry_log: Callable[[], list[str]],
+) -> None:
+    gateway = await start_gateway(
+        database_url=database_url, timeouts={"per_try": "500ms", "total": "500ms"}
+    )
+    key = unique("429-late")
+
+    response = await send(gateway, key=key, behavior="status=429,retry-after=1")
+
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "1"
+    assert upstream.count(key) == 1
+    assert await record_status(store, key) is Status.FAILED_RETRYABLE
+    assert count_containing(retry_log(), "a pause of 1.000s would not leave time") == 1
+
+
+async def test_429_with_retry_after_0_is_retried_at_once(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    postgres_url: str,
+    unique: Callable[[str], str],
+    retry_log: Callable[[], list[str]],
+) -> None:
+    gateway = await start_gateway(
+        database_url=postgres_url, timeouts={"per_try": "500ms", "total": "500ms"}
+    )
+    key = unique("429-now")
+
+    response = await send(gateway, key=key, behavior="status-first=429,retry-after=0")
+
+    assert response.status_code == 201
+    assert upstream.count(key) == 2
+    assert count_containing(retry_log(), "after status 429: attempt 2 of 3 in 0.000s") == 1
+
+
+@pytest.mark.parametrize(
+    ("behavior", "status", "slug"),
+    [
+        pytest.param("hang", 504, "upstream-timeout", id="hang-past-per_try"),
+        pytest.param("reset", 502, "upstream-connection-lost", id="reset-after-reading-body"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("on_ambiguous", "attempts", "record", "reason"),
+    [
+        pytest.param("fail", 1, Status.FAILED_FINAL, "(ambiguous)", id="fail"),
+        pytest.param("retry", 3, Status.FAILED_RETRYABLE, MAX_ATTEMPTS, id="retry"),
+    ],
+)
+async def test_ambiguous_failure_is_retried_only_under_on_ambiguous_retry(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    store: RecordStore,
+    database_url: str,
+    unique: Callable[[str], str],
+    retry_log: Callable[[], list[str]],
+    behavior: str,
+    status: int,
+    slug: str,
+    on_ambiguous: str,
+    attempts: int,
+    record: Status,
+    reason: str,
+) -> None:
+    gateway = await start_gateway(
+        database_url=database_url,
+        retry={"max_attempts": 3},
+        timeouts={"per_try": "300ms", "total": "2s"},
+        on_ambiguous=on_ambiguous,
+    )
+    key = unique(f"ambiguous-{behavior}-{on_ambiguous}")
+
+    response = await send(gateway, key=key, behavior=behavior)
+
+    assert_problem(response, status, slug)
+    assert upstream.count(key) == attempts
+    assert [e.fencing_token for e in upstream.executions_for(key)] == [1] * attempts
+    assert len({e.body for e in upstream.executions_for(key)}) == 1
+    assert await record_status(store, key) is record
+    [final] = final_decisions_in(retry_log())
+    assert reason in final
+
+
+async def test_client_x_request_timeout_shortens_the_deadline_of_every_attempt(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    postgres_url: str,
+    unique: Callable[[str], str],
+    retry_log: Callable[[], list[str]],
+) -> None:
+    # The route would retry a timeout, and each try could wait 10s: only the client's 0.4s
+    # budget ends this request.
+    gateway = await start_gateway(
+        database_url=postgres_url,
+        timeouts={"per_try": "10s", "total": "10s"},
+        on_ambiguous="retry",
+    )
+    key = unique("client-timeout")
+
+    response = await send(gateway, key=key, behavior="hang", headers={"X-Request-Timeout": "0.4"})
+
+    assert_problem(response, 504, "upstream-timeout")
+    [execution] = upstream.executions_for(key)
+    forwarded = execution.header_values("X-Request-Timeout")
+    assert len(forwarded) == 1
+    assert 0 < float(forwarded[0]) <= 0.4
+    assert count_containing(retry_log(), "would not leave time for another attempt") == 1
+
+
+async def test_client_timeout_too_short_for_any_attempt_is_504_and_leaves_the_key_retryable(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    store: RecordStore,
+    database_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    gateway = await start_gateway(database_url=database_url)
+    key = unique("no-time")
+
+    response = await send(gateway, key=key, headers={"X-Request-Timeout": "0.001"})
+
+    problem = assert_problem(response, 504, "deadline-exhausted")
+    assert problem["retryable"] is True
+    assert upstream.count(key) == 0
+    assert await record_status(store, key) is Status.FAILED_RETRYABLE
+    retry = await send(gateway, key=key)
+    assert retry.status_code == 201
+    assert upstream.count(key) == 1
+
+
+async def test_retry_budget_stops_a_retry_storm(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    postgres_url: str,
+    retry_log: Callable[[], list[str]],
+) -> None:
+    requests = 200
+    gateway = await start_gateway(
+        database_url=postgres_url,
+        retry={"max_attempts": 3, "budget": {"ratio": 0.1, "min_per_second": 0}},
+        # Only the budget may stop these retries: the breaker would reject requests instead.
+        breaker={"failure_on": []},
+    )
+
+    answers = await asyncio.gather(
+        *(send(gateway, "GET", behavior="status=503") for _ in range(requests))
+    )
+
+    # The upstream's own 503s, not the gateway's circuit-open problem.
+    assert all(answer.status_code == 503 for answer in answers)
+    assert all(answer.headers["content-type"] == "application/json" for answer in answers)
+    # Without the budget the storm would triple the load to 600 attempts.
+    assert requests < upstream.total <= requests + 0.1 * requests
+    log = retry_log()
+    assert len(retries_in(log)) == upstream.total - requests
+    assert count_containing(log, "the retry budget is exhausted") >= requests - 20
+
+
+async def test_breaker_opens_after_failures_and_then_spares_the_upstream(
+    start_gateway: StartGateway,
+    upstream: RecordingUpstream,
+    store: RecordStore,
+    database_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    gateway = await start_gateway(
+        database_url=database_url,
+        breaker={"min_calls": 5, "failure_rate": 0.5, "open_for": "30s"},
+    )
+    breaker = gateway.app.upstreams[PRIMARY].breaker
+    for _ in range(5):
+        failing = await send(gateway, "GET", behavior="status=500")
+        assert failing.status_code == 500
+    assert breaker.state is BreakerState.OPEN
+    key = unique("breaker-open")
+
+    rejected = await send(gateway, key=key)
+
+    problem = assert_problem(rejected, 503, "circuit-open")
+    assert problem["retryable"] is True
+    assert 29 <= int(rejected.headers["retry-after"]) <= 30
+    assert upstream.total == 5
+    assert await record_status(store, key) is Status.FAILED_RETRYABLE
+
+    breaker.force(None)
+    retry = await send(gateway, key=key)
+
+    assert retry.status_code == 201
+    assert [e.fencing_token for e in upstream.executions_for(key)] == [2]
+    assert await record_status(store, key) is Status.SUCCEEDED
