@@ -276,6 +276,13 @@ class CacheConfig(_Model):
     max_bytes: ByteSize = 64 * 1024 * 1024
 
 
+class SweeperConfig(_Model):
+    """Deletes expired records in the background; ``interval: 0s`` turns it off."""
+
+    interval: Duration = 60.0
+    batch_size: int = Field(1000, ge=1, le=100_000)
+
+
 class StoreConfig(_Model):
     pool_size: int = Field(10, ge=1, le=1000)
     connect_timeout: Duration = 2.0
@@ -297,6 +304,7 @@ class GatewayConfig(_Model):
     limits: LimitsConfig = LimitsConfig()
     store: StoreConfig = StoreConfig()
     cache: CacheConfig = CacheConfig()
+    sweeper: SweeperConfig = SweeperConfig()
     store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED
     idempotency_header: str = "Idempotency-Key"
     trusted_proxies: tuple[IpNetwork, ...] = ()
@@ -326,6 +334,7 @@ class EnvSettings(BaseSettings):
     redis_url: str | None = None
     admin_token: SecretStr | None = None
     config: Path | None = None
+    admin_port: int = Field(8081, ge=0, le=65535)
 
 
 class ConfigError(Exception):

@@ -11,8 +11,10 @@ this tree in one place each: ``app.proxy.client`` and ``app.idempotency.store``.
     │   ├── NoRouteMatched                404
     │   ├── RequestInFlight               409, Retry-After
     │   ├── RequestBodyTooLarge           413
+    │   ├── OperationTooLong              414
     │   └── KeyReusedWithDifferentRequest 422
     ├── StoreUnavailable                the durable record cannot be read or written (503)
+    ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
         ├── UpstreamNotSent               the request never left: safe to execute again (502)
         │   ├── CircuitOpen                 the upstream's breaker is open (503, Retry-After)
@@ -84,6 +86,12 @@ class RequestBodyTooLarge(RequestRejected):
     title = "Request body too large"
 
 
+class OperationTooLong(RequestRejected):
+    status = 414
+    slug = "operation-too-long"
+    title = "Request path too long to protect"
+
+
 class KeyReusedWithDifferentRequest(RequestRejected):
     status = 422
     slug = "idempotency-key-reused"
@@ -96,6 +104,14 @@ class StoreUnavailable(GatewayError):
     title = "Idempotency store unavailable"
     retryable = True
     retry_after = 1
+
+
+class AdminError(GatewayError):
+    def __init__(self, detail: str, *, status: int, slug: str, title: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.slug = slug
+        self.title = title
 
 
 class UpstreamError(GatewayError):

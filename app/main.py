@@ -1,16 +1,23 @@
 """``create_gateway``: the ASGI app of the gateway, assembled from a config.
 
-    RequestIdMiddleware -> IdempotencyMiddleware -> ProxyApp -> upstreams
+    proxy port:  AccessLogMiddleware (request id, log line, metrics) -> IdempotencyMiddleware
+                   -> ProxyApp -> upstreams
+    admin port:  the admin FastAPI app (health, readiness, metrics, operator API)
 
-The same ``IdempotencyMiddleware`` is what a library user wraps around their own app.
+One ASGI app serves both listeners and tells them apart by the local port of the connection,
+so ``--workers N`` runs both in every worker with one lifespan. The same
+``IdempotencyMiddleware`` is what a library user wraps around their own app.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
+
+from pydantic import SecretStr
 
 from app.asgi import Receive, Scope, Send
 from app.config import CacheConfig, EnvSettings, GatewayConfig, load_config, validate_config
@@ -21,9 +28,14 @@ from app.idempotency.redis_cache import RedisCache, connect_redis
 from app.idempotency.store import RecordStore, utc_now
 from app.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from app.migrate import upgrade_to_head_async
+from app.ops.admin import AdminContext, create_admin_app
+from app.ops.breaker_overrides import BreakerOverrides
+from app.ops.metrics import BREAKER_STATE, BREAKER_STATE_VALUES, BREAKER_TRANSITIONS
+from app.ops.request_log import AccessLogMiddleware
+from app.ops.sweeper import Sweeper
 from app.proxy.app import ProxyApp
 from app.proxy.client import UpstreamClient
-from app.request_id import RequestIdMiddleware
+from app.resilience.breaker import BreakerState
 from app.resilience.retry import ResilientUpstream
 from app.routing import PrefixRouter
 
@@ -53,6 +65,12 @@ def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCach
     return cache, RedisWakeups(subscriber=subscriber, publisher=publisher, timeout=config.timeout)
 
 
+def _record_breaker_transition(upstream: str, old: BreakerState, new: BreakerState) -> None:
+    log.warning("breaker for upstream %s: %s -> %s", upstream, old.value, new.value)
+    BREAKER_TRANSITIONS.labels(upstream, old.value, new.value).inc()
+    BREAKER_STATE.labels(upstream).set(BREAKER_STATE_VALUES[new.value])
+
+
 class Gateway:
     def __init__(
         self,
@@ -60,19 +78,28 @@ class Gateway:
         *,
         database_url: str | None = None,
         redis_url: str | None = None,
+        admin_port: int | None = None,
+        admin_token: SecretStr | None = None,
     ) -> None:
         self.config = config
         self.database_url = database_url_or_default(database_url)
+        self.admin_port = admin_port
         self.store = RecordStore.from_url(self.database_url, config.store, clock=utc_now)
         self.cache, self.wakeups = replay_layer(config.cache, redis_url)
         self.clients = {
             name: UpstreamClient(name, upstream) for name, upstream in config.upstreams.items()
         }
+        self.upstreams = {
+            name: ResilientUpstream(client, on_breaker_transition=_record_breaker_transition)
+            for name, client in self.clients.items()
+        }
+        breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
+        self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
+        self.sweeper = Sweeper(self.store, config.sweeper)
         policies = PrefixRouter(
             (route.match.path_prefix, RoutePolicy(route.name, route.idempotency))
             for route in config.routes
         )
-        self.upstreams = {name: ResilientUpstream(client) for name, client in self.clients.items()}
         self.idempotency = IdempotencyMiddleware(
             ProxyApp(config, self.upstreams),
             store=self.store,
@@ -85,11 +112,26 @@ class Gateway:
             store_unavailable=config.store_unavailable,
             finalize_attempts=config.store.finalize_attempts,
         )
-        self.app = RequestIdMiddleware(self.idempotency)
+        self.app = AccessLogMiddleware(self.idempotency)
+        self.admin = create_admin_app(
+            AdminContext(
+                store=self.store,
+                cache=self.cache,
+                breakers=breakers,
+                overrides=self.overrides,
+                scope_headers=tuple(name.encode() for name in config.scope.headers),
+                admin_token=admin_token,
+            )
+        )
+        self._background: list[asyncio.Task[None]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+            return
+        server = scope.get("server")
+        if self.admin_port is not None and server is not None and server[1] == self.admin_port:
+            await self.admin(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -99,8 +141,13 @@ class Gateway:
             await upgrade_to_head_async(self.database_url)
         for client in self.clients.values():
             await client.start()
+        for name in self.upstreams:
+            BREAKER_STATE.labels(name).set(BREAKER_STATE_VALUES[BreakerState.CLOSED.value])
         if isinstance(self.wakeups, RedisWakeups):
             await self.wakeups.start()
+        self._background.append(asyncio.create_task(self.overrides.run()))
+        if self.config.sweeper.interval > 0:
+            self._background.append(asyncio.create_task(self.sweeper.run()))
 
     async def shutdown(self) -> None:
         pending = set(self.idempotency.executions)
@@ -109,6 +156,10 @@ class Gateway:
             _, still_running = await asyncio.wait(pending, timeout=DRAIN_TIMEOUT)
             if still_running:
                 log.error("%d executions still running at shutdown", len(still_running))
+        for task in self._background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         for client in self.clients.values():
             await client.close()
         await self.wakeups.close()
@@ -133,9 +184,20 @@ class Gateway:
 
 
 def create_gateway(
-    config: GatewayConfig, *, database_url: str | None = None, redis_url: str | None = None
+    config: GatewayConfig,
+    *,
+    database_url: str | None = None,
+    redis_url: str | None = None,
+    admin_port: int | None = None,
+    admin_token: SecretStr | None = None,
 ) -> Gateway:
-    return Gateway(config, database_url=database_url, redis_url=redis_url)
+    return Gateway(
+        config,
+        database_url=database_url,
+        redis_url=redis_url,
+        admin_port=admin_port,
+        admin_token=admin_token,
+    )
 
 
 def gateway_from_environment() -> Gateway:
@@ -148,4 +210,10 @@ def gateway_from_environment() -> Gateway:
         config = load_config(Path(settings.config))
     else:
         config = validate_config({}, source="environment (set GATEWAY_CONFIG)")
-    return create_gateway(config, database_url=settings.database_url, redis_url=settings.redis_url)
+    return create_gateway(
+        config,
+        database_url=settings.database_url,
+        redis_url=settings.redis_url,
+        admin_port=settings.admin_port,
+        admin_token=settings.admin_token,
+    )

@@ -1,8 +1,9 @@
-"""Shared fixtures: real PostgreSQL and SQLite stores, migrated by Alembic.
+"""Shared fixtures: real PostgreSQL and SQLite stores, migrated by Alembic, and real Redis.
 
 ``scripts/test`` makes sure PostgreSQL is running and the test database exists; the URL comes
 from ``GATEWAY_TEST_DATABASE_URL``. Nothing here is skipped when PostgreSQL is missing: the
-suite fails loudly instead, because a store test that did not run proves nothing.
+suite fails loudly instead, because a store test that did not run proves nothing. Redis comes
+from ``GATEWAY_TEST_REDIS_URL`` (default: database 15 of the local server), just as loudly.
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import redis
+import redis.asyncio
 
 from app.config import StoreConfig
 from app.idempotency.store import RecordStore
 from app.migrate import upgrade_to_head
 
 DEFAULT_TEST_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/idempotency_gateway_test"
+# Database 15 belongs to the tests alone. It is never flushed: test sessions may run side by
+# side, so every test uses unique keys, and every entry expires with its record.
+DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +32,26 @@ def postgres_url() -> str:
     url = os.environ.get("GATEWAY_TEST_DATABASE_URL", DEFAULT_TEST_DATABASE_URL)
     upgrade_to_head(url)
     return url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The tests' own Redis database; fails loudly when Redis does not answer."""
+    url = os.environ.get("GATEWAY_TEST_REDIS_URL", DEFAULT_TEST_REDIS_URL)
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    finally:
+        client.close()
+    return url
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
+    """A plain client on the tests' Redis database, for looking at (or poisoning) entries."""
+    client = redis.asyncio.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
 
 
 @pytest.fixture

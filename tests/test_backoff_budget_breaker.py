@@ -18,7 +18,7 @@ import pytest
 from app.config import BreakerConfig, RetryConfig
 from app.errors import CircuitOpen
 from app.resilience.backoff import full_jitter, parse_retry_after
-from app.resilience.breaker import BreakerState, CircuitBreaker, Permit
+from app.resilience.breaker import BreakerSnapshot, BreakerState, CircuitBreaker, Permit
 from app.resilience.budget import RetryBudget
 from tests.support.fake_time import FakeTime
 
@@ -207,7 +207,7 @@ def test_breaker_counts_only_failures_inside_its_window(
 
     # 4 failures in total, but only one of the 3 calls in the window failed.
     assert breaker.state is BreakerState.CLOSED
-    assert breaker.snapshot()["failures"] == 1
+    assert breaker.snapshot().failures == 1
 
 
 @pytest.mark.parametrize(
@@ -274,13 +274,7 @@ def test_half_open_closes_when_every_probe_succeeds(
 
     assert breaker.state is BreakerState.CLOSED
     # A fresh start: the failures that opened it are forgotten.
-    assert breaker.snapshot() == {
-        "name": "payments",
-        "state": "closed",
-        "calls": 0,
-        "failures": 0,
-        "slow_calls": 0,
-    }
+    assert breaker.snapshot() == BreakerSnapshot(BreakerState.CLOSED, 0, 0, 0)
     calls(breaker, failures=BREAKER.min_calls - 1)
     assert breaker.state is BreakerState.CLOSED
 
@@ -329,7 +323,7 @@ def test_a_permit_from_another_generation_is_ignored_while_closed(
         breaker.record(Permit(generation=99, started_at=0.0), failure=True)
 
     assert breaker.state is BreakerState.CLOSED
-    assert breaker.snapshot()["calls"] == 0
+    assert breaker.snapshot().calls == 0
 
 
 def test_forced_open_rejects_everything(breaker: CircuitBreaker) -> None:
@@ -354,7 +348,7 @@ def test_forced_closed_and_disabled_admit_everything_despite_failures(
         clock.advance(BREAKER.open_for)
 
     assert breaker.state is override
-    assert breaker.snapshot()["failures"] == 0
+    assert breaker.snapshot().failures == 0
 
 
 def test_force_none_returns_to_closed_and_only_overrides_can_be_forced(

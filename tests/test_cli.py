@@ -87,6 +87,8 @@ class UpstreamOnlyGateway(GatewayProcess):
             self.host,
             "--port",
             str(self.port),
+            "--admin-port",
+            str(self.admin_port),
         ]
 
 

@@ -4,8 +4,9 @@ Each test launches ``python -m app.cli serve`` subprocesses that share the test 
 proxy to a RecordingUpstream in the test's loop. They prove that a same-key storm spread over
 processes (or over the workers of one process) executes once; that a stalled owner (SIGSTOP)
 is fenced off when another process takes its record over, under both ``on_ambiguous``
-policies; and that a killed owner (SIGKILL) leaves a stored "outcome unknown" answer instead
-of a second execution or a key stuck at 409.
+policies (its own client gets its answer cut short, never an answer the record does not
+hold, and the retry replays the record's); and that a killed owner (SIGKILL) leaves a
+stored "outcome unknown" answer instead of a second execution or a key stuck at 409.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
-from tests.support.upstream import BEHAVIOR_HEADER, EXECUTION_HEADER
+from tests.support.upstream import BEHAVIOR_HEADER
 
 pytestmark = pytest.mark.multiprocess
 
@@ -281,16 +282,15 @@ async def test_stalled_owner_is_fenced_when_retry_policy_executes_again(
         assert taken_over.json()["fencing_token"] == 2
         assert [run.fencing_token for run in upstream.executions_for(key)] == [1, 2]
 
-    # The stalled owner still delivers the upstream's answer to its own client...
-    owner_answer = await owner_request
-    assert owner_answer.status_code == 201
-    assert owner_answer.json()["execution"] == 1
-    assert owner_answer.headers[EXECUTION_HEADER] == "1"
-    # ...but its write is fenced off: the record keeps the takeover's answer.
+    # The stalled owner's write is fenced off: the record keeps the takeover's answer, so
+    # the owner cuts its own client's answer (execution 1) short instead of completing it...
+    with pytest.raises(httpx.RemoteProtocolError):
+        await owner_request
     await eventually(
         lambda: "fenced finalize" in gateway_a.log_text(),
         message="gateway A logs its fenced finalize",
     )
+    # ...and that client's retry, like every other, gets the answer of record.
     await assert_replays(client, [gateway_a.url, gateway_b.url], key, taken_over)
     assert upstream.count(key) == 2
 
@@ -312,9 +312,9 @@ async def test_stalled_owner_is_fenced_when_fail_policy_stores_outcome_unknown(
         # From now on every retry gets the stored 504, never a 409.
         await assert_replays(client, [gateway_b.url], key, taken_over)
 
-    owner_answer = await owner_request
-    assert owner_answer.status_code == 201
-    assert owner_answer.json()["execution"] == 1
+    # Execution 1's answer is not the record's: its client gets it cut short, never whole.
+    with pytest.raises(httpx.RemoteProtocolError):
+        await owner_request
     await eventually(
         lambda: "fenced finalize" in gateway_a.log_text(),
         message="gateway A logs its fenced finalize",

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, select
+from sqlalchemy import func, inspect, select
 
 from app.config import StoreConfig
 from app.errors import StoreUnavailable
 from app.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from app.idempotency.schema import records
-from app.idempotency.store import Claim, RecordStore, Reservation
+from app.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore, Reservation
 from app.migrate import alembic_config, upgrade_to_head
 from tests.conftest import ManualClock
 from tests.support import free_port
@@ -380,8 +380,7 @@ async def drain_expired_at(store: RecordStore, clock: ManualClock, moment: datet
     """Remove leftovers of an interrupted earlier run that would expire by ``moment``."""
     now = clock.now
     clock.now = moment
-    while await store.sweep():
-        pass
+    await store.sweep()
     clock.now = now
 
 
@@ -401,14 +400,44 @@ async def test_sweep_deletes_only_expired_records_in_batches(
         await store.reserve(record_key, claim_for(new_owner()))
     clock.advance(short_ttl)  # expires_at <= now counts as expired
 
-    batches = [await store.sweep(batch_size=2) for _ in range(4)]
-
+    batches = [await store.sweep(batch_size=2, max_batches=1) for _ in range(4)]
     assert batches == [2, 2, 1, 0]
     for record_key in expired:
         assert await store.get(record_key) is None
     for record_key in live:
         assert await store.get(record_key) is not None
         await store.delete(record_key)
+
+
+async def test_sweep_without_a_batch_limit_runs_every_batch(
+    store: RecordStore, clock: ManualClock, make_key: Callable[[str], RecordKey]
+) -> None:
+    clock.now = datetime(2001, 1, 1, tzinfo=UTC)
+    await drain_expired_at(store, clock, after(clock, LEASE))
+    expired = [make_key(f"all-expired-{index}") for index in range(5)]
+    for record_key in expired:
+        await store.reserve(record_key, claim_for(new_owner(), ttl=LEASE))
+    clock.advance(LEASE)
+
+    assert await store.sweep(batch_size=2) == 5
+    for record_key in expired:
+        assert await store.get(record_key) is None
+
+
+async def test_a_second_postgres_sweeper_stands_aside_while_one_holds_the_lock(
+    postgres_url: str, clock: ManualClock
+) -> None:
+    holder = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock)
+    other = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock)
+    try:
+        async with holder.engine.connect() as connection:
+            await connection.execute(select(func.pg_advisory_lock(SWEEP_LOCK_ID)))
+            assert await other.sweep() is None
+            await connection.execute(select(func.pg_advisory_unlock(SWEEP_LOCK_ID)))
+        assert await other.sweep() is not None
+    finally:
+        await holder.close()
+        await other.close()
 
 
 # ---------------------------------------------------------------------- store unavailable

@@ -405,6 +405,7 @@ FAKE_CLI = textwrap.dedent(
     parser.add_argument("--config", required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--admin-port", type=int, required=True)
     parser.add_argument("--fail", action="store_true")
     args = parser.parse_args()
     if args.fail:
@@ -468,6 +469,8 @@ def test_default_command_is_the_gateway_cli(tmp_path: Path) -> None:
         "127.0.0.1",
         "--port",
         "1234",
+        "--admin-port",
+        str(process.admin_port),
         "--workers",
         "1",
     ]

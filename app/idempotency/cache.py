@@ -18,6 +18,7 @@ from typing import Protocol
 import orjson
 
 from app.idempotency.record import REPLAYABLE, Record, RecordKey, Status, StoredResponse
+from app.ops.metrics import CACHE_LOOKUPS
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class ReplayCache(Protocol):
 
     async def put(self, answer: CachedAnswer) -> None: ...
 
-    async def delete(self, key: RecordKey) -> None: ...
+    async def delete(self, key: RecordKey) -> bool: ...
 
     async def close(self) -> None: ...
 
@@ -125,11 +126,13 @@ class InProcessCache:
 
     async def get(self, key: RecordKey) -> CachedAnswer | None:
         answer = self._entries.get(key)
-        if answer is None:
-            return None
-        if not answer.is_live(datetime.now(UTC)):
+        if answer is not None and not answer.is_live(datetime.now(UTC)):
             self._remove(key)
+            answer = None
+        if answer is None:
+            CACHE_LOOKUPS.labels("miss").inc()
             return None
+        CACHE_LOOKUPS.labels("hit").inc()
         self._entries.move_to_end(key)
         return answer
 
@@ -144,8 +147,9 @@ class InProcessCache:
             oldest = next(iter(self._entries))
             self._remove(oldest)
 
-    async def delete(self, key: RecordKey) -> None:
+    async def delete(self, key: RecordKey) -> bool:
         self._remove(key)
+        return True
 
     def _remove(self, key: RecordKey) -> None:
         answer = self._entries.pop(key, None)

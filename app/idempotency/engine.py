@@ -13,10 +13,17 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 
 from app.asgi import ASGIApp, Headers, Scope, Send, replay_receive
 from app.config import IdempotencyConfig, OnAmbiguous
-from app.errors import KeyReusedWithDifferentRequest, OutcomeUnknown, RequestInFlight
+from app.errors import (
+    GatewayError,
+    KeyReusedWithDifferentRequest,
+    OutcomeUnknown,
+    RequestInFlight,
+    StoreUnavailable,
+)
 from app.idempotency.cache import CachedAnswer, ReplayCache
 from app.idempotency.execution import STATE_KEY, Execution
 from app.idempotency.machine import Action, Outcome, classify, decide
@@ -26,6 +33,8 @@ from app.idempotency.record import REPLAYABLE, Record, RecordKey, Status, Stored
 from app.idempotency.responses import ResponseCapture, send_stored, stored_problem
 from app.idempotency.store import Claim, RecordStore
 from app.idempotency.wakeups import Wakeups
+from app.ops.metrics import TAKEOVERS
+from app.ops.request_log import note_outcome, request_log_of
 from app.request_id import request_id_of
 
 log = logging.getLogger(__name__)
@@ -60,6 +69,12 @@ def _mismatch() -> KeyReusedWithDifferentRequest:
     )
 
 
+def _takeover_reason(action: Action, record: Record, now: datetime) -> str:
+    if action is Action.ABANDONED:
+        return "abandoned"
+    return "expired" if record.is_expired(now) else "retryable"
+
+
 class IdempotencyEngine:
     def __init__(
         self,
@@ -80,10 +95,15 @@ class IdempotencyEngine:
         self.executions: set[asyncio.Task[None]] = set()
 
     async def handle(self, request: KeyedRequest) -> None:
+        entry = request_log_of(request.scope)
+        if entry is not None:
+            entry.scope_hash = request.key.scope
         cached = await self.cache.get(request.key)
         if cached is not None:
             if cached.request_hash != request.fingerprint:
+                note_outcome(request.scope, "mismatch")
                 raise _mismatch()
+            note_outcome(request.scope, "replayed")
             await send_stored(request.send, cached.response, replayed=True)
             return
         await self._decide_and_act(request)
@@ -101,12 +121,14 @@ class IdempotencyEngine:
             action = decide(record, request_hash=request.fingerprint, now=self.store.clock())
             if action is Action.REPLAY:
                 assert record.response is not None
+                note_outcome(request.scope, "replayed")
                 answer = CachedAnswer.of(record)
                 if answer is not None:
                     await self.cache.put(answer)
                 await send_stored(request.send, record.response, replayed=True, extra=waited)
                 return
             if action is Action.MISMATCH:
+                note_outcome(request.scope, "mismatch")
                 raise _mismatch()
             if action is Action.IN_FLIGHT:
                 if request.wait > 0 and not waited:
@@ -115,6 +137,7 @@ class IdempotencyEngine:
                     await self.wakeups.wait(request.key, request.wait)
                     waited = [(b"preference-applied", f"wait={request.wait:g}".encode())]
                     continue
+                note_outcome(request.scope, "conflict_in_flight")
                 raise RequestInFlight(
                     "the first request with this Idempotency-Key is still running; "
                     "retry with the same key to get its answer",
@@ -123,11 +146,13 @@ class IdempotencyEngine:
             taken = await self.store.take_over(record, claim)
             if taken is None:
                 continue  # somebody else changed the record first: look again
+            TAKEOVERS.labels(_takeover_reason(action, record, self.store.clock())).inc()
             if action is Action.ABANDONED and config.on_ambiguous is OnAmbiguous.FAIL:
                 await self._settle_abandoned(request, taken)
                 return
             await self._execute(request, taken)
             return
+        note_outcome(request.scope, "conflict_in_flight")
         raise RequestInFlight(
             "the record for this Idempotency-Key is changing hands; retry shortly",
             retry_after=IN_FLIGHT_RETRY_AFTER,
@@ -135,6 +160,7 @@ class IdempotencyEngine:
 
     async def _settle_abandoned(self, request: KeyedRequest, record: Record) -> None:
         """An owner died mid-flight: record that the outcome is unknown, never execute twice."""
+        note_outcome(request.scope, "outcome_unknown")
         log.warning(
             "took over an abandoned record; outcome unknown, not executing again",
             extra={"route": request.policy.name, "fencing_token": record.fencing_token},
@@ -147,15 +173,13 @@ class IdempotencyEngine:
             ),
             request_id_of(request.scope),
         )
-        await self._finalize(
-            request,
-            OwnerRun(self.store, record, lease=request.config.lease),
-            Status.FAILED_FINAL,
-            answer,
-        )
+        run = OwnerRun(self.store, record, lease=request.config.lease)
+        if not await self._finalize(request, run, Status.FAILED_FINAL, answer):
+            answer = self._not_of_record(request, run)
         await send_stored(request.send, answer, replayed=False)
 
     async def _execute(self, request: KeyedRequest, record: Record) -> None:
+        note_outcome(request.scope, "executed")
         task = asyncio.create_task(self._run_owner(request, record))
         self.executions.add(task)
         task.add_done_callback(self.executions.discard)
@@ -183,7 +207,17 @@ class IdempotencyEngine:
             execution.report(Outcome.AMBIGUOUS)
         status = classify(capture.status or 500, execution.outcome, request.config)
         answer = self._answer_to_store(request, capture, status)
-        await self._finalize(request, run, status, answer)
+        if not await self._finalize(request, run, status, answer):
+            # Fenced off, or the store is down: this answer is not the key's answer of record
+            # (a newer owner's may be, or an "outcome unknown" later), so the client must not
+            # take it as final. Its retry with the key gets the answer of record.
+            log.warning(
+                "the outcome was not recorded (%s); withholding this answer from the client",
+                "fenced off" if run.fenced else "store unavailable",
+                extra={"route": request.policy.name, "fencing_token": record.fencing_token},
+            )
+            await capture.withdraw(self._not_of_record(request, run))
+            return
         if not capture.started:
             # The app raised before answering: give the client what every retry will see.
             fallback = stored_problem(
@@ -205,9 +239,27 @@ class IdempotencyEngine:
             request_id_of(request.scope),
         )
 
+    @staticmethod
+    def _not_of_record(request: KeyedRequest, run: OwnerRun) -> StoredResponse:
+        """What a client gets instead of an answer whose outcome could not be recorded."""
+        error: GatewayError
+        if run.fenced:
+            error = RequestInFlight(
+                "another request took this Idempotency-Key over; retry with the same key "
+                "to get its answer",
+                retry_after=IN_FLIGHT_RETRY_AFTER,
+            )
+        else:
+            error = StoreUnavailable(
+                "the answer could not be recorded; retry with the same key to get the "
+                "answer of record"
+            )
+        return stored_problem(error, request_id_of(request.scope))
+
     async def _finalize(
         self, request: KeyedRequest, run: OwnerRun, status: Status, answer: StoredResponse | None
-    ) -> None:
+    ) -> bool:
+        """True when the outcome was recorded: only then is ``answer`` the key's answer."""
         written = await run.finalize(status, answer, attempts=self.finalize_attempts)
         if written and answer is not None and status in REPLAYABLE:
             await self.cache.put(
@@ -221,3 +273,4 @@ class IdempotencyEngine:
             )
         # Waiters re-read the store whatever happened: even a fenced finalize means news.
         await self.wakeups.notify(request.key)
+        return written

@@ -49,7 +49,11 @@ def request_hash(
     digest = hashlib.sha256()
     _field(digest, method.encode())
     _field(digest, path.encode())
-    query = sorted(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
+    # Percent-decoded to latin-1, one code point per byte: every query decodes and encodes
+    # back exactly (UTF-8 decoding turned "%E2%82%AC" into a character latin-1 cannot hold).
+    query = sorted(
+        parse_qsl(query_string.decode("latin-1"), keep_blank_values=True, encoding="latin-1")
+    )
     _field(digest, str(len(query)).encode())
     for query_name, query_value in query:
         _field(digest, query_name.encode("latin-1"))

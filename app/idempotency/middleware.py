@@ -13,7 +13,15 @@ import logging
 
 from app.asgi import ASGIApp, ClientDisconnected, Receive, Scope, Send, read_body, replay_receive
 from app.config import KeyPolicy, StoreUnavailablePolicy
-from app.errors import GatewayError, MissingIdempotencyKey, StoreUnavailable
+from app.errors import (
+    GatewayError,
+    KeyReusedWithDifferentRequest,
+    MissingIdempotencyKey,
+    OperationTooLong,
+    RequestInFlight,
+    RequestRejected,
+    StoreUnavailable,
+)
 from app.idempotency.cache import InProcessCache, ReplayCache
 from app.idempotency.engine import IdempotencyEngine, KeyedRequest
 from app.idempotency.fingerprint import request_hash
@@ -21,8 +29,10 @@ from app.idempotency.keys import parse_idempotency_key, scope_of
 from app.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from app.idempotency.prefer import requested_wait
 from app.idempotency.record import RecordKey
+from app.idempotency.schema import OPERATION_MAX_LENGTH
 from app.idempotency.store import RecordStore
 from app.idempotency.wakeups import LocalWakeups, Wakeups
+from app.ops.request_log import note_outcome, request_log_of
 from app.problems import send_problem
 from app.request_id import request_id_of
 
@@ -54,8 +64,12 @@ class IdempotencyMiddleware:
         self.engine = IdempotencyEngine(
             app,
             store=store,
-            cache=cache or InProcessCache(max_entries=10_000, max_bytes=64 * 1024 * 1024),
-            wakeups=wakeups or LocalWakeups(),
+            # ``is None``, not ``or``: an empty InProcessCache is falsy (it has a length), and
+            # the gateway's own cache (the one the admin API clears) must be the one used.
+            cache=cache
+            if cache is not None
+            else InProcessCache(max_entries=10_000, max_bytes=64 * 1024 * 1024),
+            wakeups=wakeups if wakeups is not None else LocalWakeups(),
             finalize_attempts=finalize_attempts,
         )
 
@@ -72,11 +86,20 @@ class IdempotencyMiddleware:
         if policy is None or not policy.covers(scope["method"]):
             await self.app(scope, receive, send)
             return
+        entry = request_log_of(scope)
+        if entry is not None:
+            entry.route = policy.name
         try:
             await self._protect(scope, receive, send, policy)
         except ClientDisconnected:
             return
         except GatewayError as error:
+            if isinstance(error, RequestRejected) and not isinstance(
+                error, KeyReusedWithDifferentRequest | RequestInFlight
+            ):
+                note_outcome(scope, "rejected")
+            elif isinstance(error, StoreUnavailable):
+                note_outcome(scope, "store_unavailable")
             await send_problem(send, error, request_id=request_id_of(scope))
 
     async def _protect(
@@ -91,6 +114,16 @@ class IdempotencyMiddleware:
                 )
             await self.app(scope, receive, send)
             return
+        operation = policy.operation(scope["method"], scope["path"])
+        if len(operation) > OPERATION_MAX_LENGTH:
+            # The record could not hold it: refused before any store access, like a 413.
+            raise OperationTooLong(
+                f"the operation ({scope['method']} and the path) is longer than "
+                f"{OPERATION_MAX_LENGTH} characters; keyed requests need a shorter path"
+            )
+        if "\x00" in operation:
+            # PostgreSQL text cannot hold NUL: without this the store would fail (503).
+            raise RequestRejected("the path holds a NUL character (%00); keyed requests cannot")
         body = await read_body(receive, headers, limit=self.max_request_body)
         request = KeyedRequest(
             scope=scope,
@@ -99,7 +132,7 @@ class IdempotencyMiddleware:
             policy=policy,
             key=RecordKey(
                 scope_of(headers, self.scope_headers),
-                policy.operation(scope["method"], scope["path"]),
+                operation,
                 key,
             ),
             fingerprint=request_hash(
@@ -118,4 +151,5 @@ class IdempotencyMiddleware:
             if self.store_unavailable is StoreUnavailablePolicy.FAIL_CLOSED:
                 raise
             log.warning("store unavailable: proxying without idempotency protection")
+            note_outcome(scope, "unprotected")
             await self.app(scope, replay_receive(body), send)

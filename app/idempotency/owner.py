@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from app.errors import StoreUnavailable
 from app.idempotency.record import Fence, Record, Status, StoredResponse
 from app.idempotency.store import RecordStore
+from app.ops.metrics import FENCED_WRITES
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class OwnerRun:
 
     def _note_fenced(self, write: str) -> None:
         self.fenced = True
+        FENCED_WRITES.labels(write.replace(" ", "_")).inc()
         log.warning(
             "fenced %s: another owner holds this record now; nothing was changed",
             write,

@@ -24,6 +24,8 @@ from app.config import BreakerConfig
 from app.errors import CircuitOpen
 from app.idempotency.cache import CachedAnswer, cache_key, decode, encode
 from app.idempotency.record import RecordKey
+from app.ops.degradation import DegradationLog
+from app.ops.metrics import CACHE_LATENCY, CACHE_LOOKUPS
 from app.resilience.breaker import BreakerState, CircuitBreaker
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,19 @@ T = TypeVar("T")
 CACHE_BREAKER = BreakerConfig(
     window=10.0, min_calls=5, failure_rate=0.5, slow_call=1.0, open_for=2.0, half_open_calls=1
 )
-_LOG_EVERY = 30.0
+
+
+# What a Redis call raises when Redis is down, slow or killed mid-call. uvloop raises
+# RuntimeError ("the handler is closed") when the connection dies under a write, such as the
+# HELLO of a reconnect: found by the fault suite, a 500 to the client before it was listed.
+REDIS_FAILURES = (RedisError, OSError, TimeoutError, RuntimeError)
+
+
+class _Failed:
+    """The result of a Redis call that did not happen or did not answer."""
+
+
+FAILED = _Failed()
 
 
 def connect_redis(url: str, *, timeout: float | None, connect_timeout: float) -> Redis:
@@ -47,33 +61,6 @@ def connect_redis(url: str, *, timeout: float | None, connect_timeout: float) ->
         retry=Retry(NoBackoff(), 0),
         health_check_interval=0,
     )
-
-
-class DegradationLog:
-    """Logs a failing dependency once per interval, with how many failures it skipped."""
-
-    def __init__(self, what: str, *, every: float = _LOG_EVERY) -> None:
-        self.what = what
-        self.every = every
-        self.failures = 0
-        self._unlogged = 0
-        self._last_logged = float("-inf")
-
-    def failed(self, exc: BaseException) -> None:
-        self.failures += 1
-        now = time.monotonic()
-        if now - self._last_logged < self.every:
-            self._unlogged += 1
-            return
-        log.warning(
-            "%s unavailable (%s: %s); using the durable store (%d failures not logged)",
-            self.what,
-            type(exc).__name__,
-            exc,
-            self._unlogged,
-        )
-        self._unlogged = 0
-        self._last_logged = now
 
 
 class RedisCache:
@@ -89,37 +76,46 @@ class RedisCache:
         self.timeout = timeout
         self.max_entry_bytes = max_entry_bytes
         self.breaker = CircuitBreaker("redis-cache", CACHE_BREAKER)
-        self.degradation = DegradationLog("Redis cache")
+        self.degradation = DegradationLog("Redis cache", fallback="serving from the durable store")
         self._clock = clock
 
     @property
     def degraded(self) -> bool:
         return self.breaker.state is not BreakerState.CLOSED
 
-    async def _guarded(self, call: Callable[[], Awaitable[T]]) -> T | None:
+    async def _guarded(self, operation: str, call: Callable[[], Awaitable[T]]) -> T | _Failed:
+        """Run one Redis call under the breaker and a timeout; a failure is a value, never an
+        exception, because the cache must never fail a request."""
         try:
             permit = self.breaker.acquire()
         except CircuitOpen:
-            return None
+            return FAILED
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):
                 result = await call()
-        except (RedisError, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES as exc:
             self.breaker.record(permit, failure=True)
             self.degradation.failed(exc)
-            return None
+            return FAILED
+        finally:
+            CACHE_LATENCY.labels(operation).observe(time.perf_counter() - started)
         self.breaker.record(permit, failure=False)
         return result
 
     async def get(self, key: RecordKey) -> CachedAnswer | None:
-        raw = await self._guarded(lambda: self.redis.get(cache_key(key)))
-        if not isinstance(raw, bytes):
+        raw = await self._guarded("get", lambda: self.redis.get(cache_key(key)))
+        if raw is FAILED:
+            CACHE_LOOKUPS.labels("error").inc()
             return None
-        answer = decode(raw, key)
-        if answer is None:
+        answer = decode(raw, key) if isinstance(raw, bytes) else None
+        if raw is not None and answer is None:
             self.degradation.failed(ValueError("unreadable cache entry, ignored"))
+        if answer is None or not answer.is_live(self._clock()):
+            CACHE_LOOKUPS.labels("miss").inc()
             return None
-        return answer if answer.is_live(self._clock()) else None
+        CACHE_LOOKUPS.labels("hit").inc()
+        return answer
 
     async def put(self, answer: CachedAnswer) -> None:
         # Never outlive the record: the entry dies when the record expires.
@@ -127,13 +123,16 @@ class RedisCache:
         if ttl_ms <= 0 or len(answer.response.body) > self.max_entry_bytes:
             return
         value = encode(answer)
-        await self._guarded(lambda: self.redis.set(cache_key(answer.key), value, px=ttl_ms))
+        await self._guarded("put", lambda: self.redis.set(cache_key(answer.key), value, px=ttl_ms))
 
-    async def delete(self, key: RecordKey) -> None:
-        await self._guarded(lambda: self.redis.delete(cache_key(key)))
+    async def delete(self, key: RecordKey) -> bool:
+        """False when Redis could not be asked: the caller decides whether that matters."""
+        return (
+            await self._guarded("delete", lambda: self.redis.delete(cache_key(key))) is not FAILED
+        )
 
     async def ping(self) -> bool:
-        return bool(await self._guarded(self.redis.ping))
+        return await self._guarded("ping", self.redis.ping) is True
 
     async def close(self) -> None:
         await self.redis.aclose()

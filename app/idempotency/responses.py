@@ -87,6 +87,17 @@ class ResponseCapture:
         for message in held:
             await self._forward(message)
 
+    async def withdraw(self, replacement: StoredResponse) -> None:
+        """Never complete this answer. Before its head went out the client gets
+        ``replacement`` instead; after, the answer stays cut short (the server closes the
+        connection), so the client cannot mistake it for a whole one and retries."""
+        head_sent = self.started and not any(
+            message["type"] == "http.response.start" for message in self._held
+        )
+        self._held = []
+        if not head_sent:
+            await send_stored(self._forward, replacement, replayed=False)
+
     async def _forward(self, message: Message) -> None:
         if self.client_gone:
             return

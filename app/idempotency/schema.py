@@ -1,4 +1,4 @@
-"""The ``idempotency_records`` table. Alembic migrations create and change it."""
+"""The gateway's tables. Alembic migrations create and change them."""
 
 from __future__ import annotations
 
@@ -27,11 +27,14 @@ metadata = MetaData(
     }
 )
 
+# "METHOD path" by default: longer operations cannot be recorded (the middleware says 414).
+OPERATION_MAX_LENGTH = 512
+
 records = Table(
     "idempotency_records",
     metadata,
     Column("scope", String(64), primary_key=True),
-    Column("operation", String(512), primary_key=True),
+    Column("operation", String(OPERATION_MAX_LENGTH), primary_key=True),
     Column("idempotency_key", String(255), primary_key=True),
     Column("request_hash", String(64), nullable=False),
     Column("status", String(16), nullable=False),
@@ -55,4 +58,13 @@ records = Table(
         postgresql_where=text("status = 'IN_PROGRESS'"),
         sqlite_where=text("status = 'IN_PROGRESS'"),
     ),
+)
+
+# Operator-forced circuit breaker states: every gateway process applies them within seconds.
+breaker_overrides = Table(
+    "breaker_overrides",
+    metadata,
+    Column("upstream", String(128), primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
 )

@@ -11,6 +11,8 @@ Statements run in autocommit mode, so none pays for a separate BEGIN and COMMIT.
 
 from __future__ import annotations
 
+import asyncio
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,27 +21,28 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
-    ColumnElement,
     Row,
-    and_,
     delete,
     event,
-    exists,
+    func,
     literal,
     select,
     tuple_,
-    update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from app.config import StoreConfig
 from app.errors import StoreUnavailable
+from app.idempotency import statements
 from app.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from app.idempotency.schema import records
+from app.ops.metrics import STORE_ERRORS, STORE_LATENCY
 
 Clock = Callable[[], datetime]
+
+# Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
+SWEEP_LOCK_ID = 0x1DE4_9A7E
 
 # Bodies below this size are stored as they are: compressing them saves nothing worth a CPU.
 _COMPRESS_FROM = 1024
@@ -107,20 +110,8 @@ def _record_from_row(row: Row[Any]) -> Record:
     )
 
 
-def _is_key(key: RecordKey) -> ColumnElement[bool]:
-    return and_(
-        records.c.scope == key.scope,
-        records.c.operation == key.operation,
-        records.c.idempotency_key == key.idempotency_key,
-    )
-
-
-def _is_fenced_by(fence: Fence) -> ColumnElement[bool]:
-    return and_(
-        records.c.status == Status.IN_PROGRESS.value,
-        records.c.owner_id == fence.owner_id,
-        records.c.fencing_token == fence.fencing_token,
-    )
+def _fence_params(fence: Fence) -> dict[str, Any]:
+    return {"f_owner": fence.owner_id, "f_token": fence.fencing_token}
 
 
 def normalize_database_url(url: str) -> str:
@@ -184,16 +175,21 @@ class RecordStore:
         await self.engine.dispose()
 
     @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[AsyncConnection]:
-        """The one place where driver and pool errors become ``StoreUnavailable``."""
+    async def _connection(self, operation: str) -> AsyncIterator[AsyncConnection]:
+        """The one place where driver and pool errors become ``StoreUnavailable``; every
+        statement's latency and failures are measured here too."""
+        started = time.perf_counter()
         try:
             async with self.engine.connect() as connection:
                 yield connection
         except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            STORE_ERRORS.labels(operation).inc()
             raise StoreUnavailable(f"idempotency store error: {type(exc).__name__}") from exc
+        finally:
+            STORE_LATENCY.labels(operation).observe(time.perf_counter() - started)
 
     async def ping(self) -> None:
-        async with self._connection() as connection:
+        async with self._connection("ping") as connection:
             await connection.execute(select(literal(1)))
 
     async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
@@ -215,45 +211,27 @@ class RecordStore:
             "updated_at": now,
             "expires_at": now + timedelta(seconds=claim.ttl),
         }
-        async with self._connection() as connection:
+        async with self._connection("reserve") as connection:
             if self._is_postgres:
-                row = await self._insert_or_read_postgres(connection, key, values)
+                result = await connection.execute(
+                    statements.RESERVE_POSTGRES, values | statements.key_params(key)
+                )
+                row = result.first()
                 if row is not None:
                     return Reservation(_record_from_row(row), reserved=row.reserved)
             else:
-                inserted = await connection.execute(
-                    sqlite.insert(records)
-                    .values(values)
-                    .on_conflict_do_nothing()
-                    .returning(*records.c)
-                )
-                row = inserted.first()
+                row = (await connection.execute(statements.RESERVE_SQLITE, values)).first()
                 if row is not None:
                     return Reservation(_record_from_row(row), reserved=True)
             # The holder committed after this statement's snapshot began (PostgreSQL) or the
             # insert lost (SQLite): a plain read now sees it.
-            existing = (await connection.execute(select(records).where(_is_key(key)))).first()
+            existing = (
+                await connection.execute(statements.SELECT_RECORD, statements.key_params(key))
+            ).first()
         if existing is None:
             # Deleted between our insert and read: rare enough that the caller just retries.
             raise StoreUnavailable("the record vanished while being reserved; retry")
         return Reservation(_record_from_row(existing), reserved=False)
-
-    async def _insert_or_read_postgres(
-        self, connection: AsyncConnection, key: RecordKey, values: dict[str, Any]
-    ) -> Row[Any] | None:
-        inserted = (
-            postgresql.insert(records)
-            .values(values)
-            .on_conflict_do_nothing(index_elements=["scope", "operation", "idempotency_key"])
-            .returning(*records.c)
-            .cte("inserted")
-        )
-        statement = select(literal(True).label("reserved"), *inserted.c).union_all(
-            select(literal(False).label("reserved"), *records.c).where(
-                _is_key(key), ~exists(select(inserted.c.scope))
-            )
-        )
-        return (await connection.execute(statement)).first()
 
     async def take_over(self, seen: Record, claim: Claim) -> Record | None:
         """Claim ``seen`` for a new execution, only if nobody changed it since it was read.
@@ -262,90 +240,123 @@ class RecordStore:
         keeps its history and bumps the fencing token, so the old owner is fenced off.
         """
         now = self.clock()
-        new_life = seen.is_expired(now)
-        changes: dict[str, Any] = {
-            "request_hash": claim.request_hash,
-            "status": Status.IN_PROGRESS.value,
-            "owner_id": claim.owner_id,
-            "fencing_token": 1 if new_life else records.c.fencing_token + 1,
-            "lease_expires_at": now + timedelta(seconds=claim.lease),
-            "attempts": 1 if new_life else records.c.attempts + 1,
-            "response_status": None,
-            "response_headers": None,
-            "response_body": None,
-            "body_compressed": False,
-            "body_omitted": False,
-            "updated_at": now,
+        params: dict[str, Any] = statements.key_params(seen.key) | {
+            "s_status": seen.status.value,
+            "s_owner": seen.owner_id,
+            "s_token": seen.fencing_token,
+            "t_request_hash": claim.request_hash,
+            "t_owner": claim.owner_id,
+            "t_lease_expires_at": now + timedelta(seconds=claim.lease),
+            "t_now": now,
         }
-        if new_life:
-            changes |= {"created_at": now, "expires_at": now + timedelta(seconds=claim.ttl)}
-        statement = (
-            update(records)
-            .where(
-                _is_key(seen.key),
-                records.c.status == seen.status.value,
-                records.c.owner_id == seen.owner_id,
-                records.c.fencing_token == seen.fencing_token,
-            )
-            .values(changes)
-            .returning(*records.c)
-        )
-        async with self._connection() as connection:
-            row = (await connection.execute(statement)).first()
+        statement = statements.TAKE_OVER
+        if seen.is_expired(now):
+            statement = statements.TAKE_OVER_EXPIRED
+            params |= {"t_now2": now, "t_expires_at": now + timedelta(seconds=claim.ttl)}
+        async with self._connection("take_over") as connection:
+            row = (await connection.execute(statement, params)).first()
         return _record_from_row(row) if row is not None else None
 
     async def renew_lease(self, key: RecordKey, fence: Fence, *, lease: float) -> bool:
         now = self.clock()
-        statement = (
-            update(records)
-            .where(_is_key(key), _is_fenced_by(fence))
-            .values(lease_expires_at=now + timedelta(seconds=lease), updated_at=now)
-        )
-        async with self._connection() as connection:
-            result = await connection.execute(statement)
+        params = statements.key_params(key) | _fence_params(fence)
+        params |= {"r_lease_expires_at": now + timedelta(seconds=lease), "r_now": now}
+        async with self._connection("renew_lease") as connection:
+            result = await connection.execute(statements.RENEW_LEASE, params)
         return bool(result.rowcount)
 
     async def finalize(
         self, key: RecordKey, fence: Fence, *, status: Status, response: StoredResponse | None
     ) -> bool:
         """Record the outcome; ``False`` means this owner was fenced off and nothing changed."""
-        values: dict[str, Any] = {"status": status.value, "updated_at": self.clock()}
-        if response is not None:
-            body, compressed = _encode_body(response.body)
-            values |= {
-                "response_status": response.status,
-                "response_headers": [list(pair) for pair in response.headers],
-                "response_body": body,
-                "body_compressed": compressed,
-                "body_omitted": response.body_omitted,
+        params: dict[str, Any] = statements.key_params(key) | _fence_params(fence)
+        params |= {"u_status": status.value, "u_now": self.clock()}
+        if response is None:
+            params |= {
+                "u_response_status": None,
+                "u_response_headers": None,
+                "u_response_body": None,
+                "u_body_compressed": False,
+                "u_body_omitted": False,
             }
-        statement = update(records).where(_is_key(key), _is_fenced_by(fence)).values(values)
-        async with self._connection() as connection:
-            result = await connection.execute(statement)
+        else:
+            body, compressed = _encode_body(response.body)
+            params |= {
+                "u_response_status": response.status,
+                "u_response_headers": [list(pair) for pair in response.headers],
+                "u_response_body": body,
+                "u_body_compressed": compressed,
+                "u_body_omitted": response.body_omitted,
+            }
+        async with self._connection("finalize") as connection:
+            result = await connection.execute(statements.FINALIZE, params)
         return bool(result.rowcount)
 
     async def get(self, key: RecordKey) -> Record | None:
-        async with self._connection() as connection:
-            row = (await connection.execute(select(records).where(_is_key(key)))).first()
+        async with self._connection("get") as connection:
+            result = await connection.execute(statements.SELECT_RECORD, statements.key_params(key))
+            row = result.first()
         return _record_from_row(row) if row is not None else None
 
     async def delete(self, key: RecordKey) -> bool:
-        async with self._connection() as connection:
-            result = await connection.execute(delete(records).where(_is_key(key)))
+        async with self._connection("delete") as connection:
+            result = await connection.execute(statements.DELETE_RECORD, statements.key_params(key))
         return bool(result.rowcount)
 
-    async def sweep(self, *, batch_size: int = 1000) -> int:
-        """Delete one batch of expired records; returns how many went."""
+    async def expire(self, key: RecordKey) -> bool:
+        """Make a record count as absent now (it stays readable until swept)."""
+        now = self.clock()
+        params = statements.key_params(key) | {"e_now": now, "e_now2": now}
+        async with self._connection("expire") as connection:
+            result = await connection.execute(statements.EXPIRE_RECORD, params)
+        return bool(result.rowcount)
+
+    async def list_stuck(self, *, limit: int) -> list[Record]:
+        """``IN_PROGRESS`` records whose owner's lease ran out: owners that died or stalled."""
+        statement = (
+            select(records)
+            .where(
+                records.c.status == Status.IN_PROGRESS.value,
+                records.c.lease_expires_at <= self.clock(),
+            )
+            .order_by(records.c.lease_expires_at)
+            .limit(limit)
+        )
+        async with self._connection("list_stuck") as connection:
+            rows = (await connection.execute(statement)).all()
+        return [_record_from_row(row) for row in rows]
+
+    async def sweep(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int | None:
+        """Delete expired records in batches until none are left (or ``max_batches`` ran);
+        ``None`` when another sweeper holds the lock (a PostgreSQL advisory lock: one sweeper
+        at a time across every gateway)."""
         expired = (
             select(records.c.scope, records.c.operation, records.c.idempotency_key)
             .where(records.c.expires_at <= self.clock())
             .limit(batch_size)
         )
         if self._is_postgres:
-            # SKIP LOCKED lets several sweepers share the work without waiting on each other.
+            # Skips rows an owner is finalizing right now instead of waiting on them.
             expired = expired.with_for_update(skip_locked=True)
         key_columns = tuple_(records.c.scope, records.c.operation, records.c.idempotency_key)
-        statement = delete(records).where(key_columns.in_(expired))
-        async with self._connection() as connection:
-            result = await connection.execute(statement)
-        return int(result.rowcount or 0)
+        batch = delete(records).where(key_columns.in_(expired))
+        total = 0
+        async with self._connection("sweep") as connection:
+            if self._is_postgres:
+                lock = select(func.pg_try_advisory_lock(SWEEP_LOCK_ID))
+                if not (await connection.execute(lock)).scalar():
+                    return None
+            try:
+                batches = 0
+                while True:
+                    deleted = int((await connection.execute(batch)).rowcount or 0)
+                    total += deleted
+                    batches += 1
+                    if deleted < batch_size or batches == max_batches:
+                        return total
+                    # Small statements with pauses between them: the sweeper never hogs
+                    # the database the request path needs.
+                    await asyncio.sleep(0)
+            finally:
+                if self._is_postgres:
+                    await connection.execute(select(func.pg_advisory_unlock(SWEEP_LOCK_ID)))

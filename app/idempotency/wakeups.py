@@ -15,11 +15,11 @@ from typing import Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
-from redis.exceptions import RedisError
 
 from app.idempotency.cache import cache_key
 from app.idempotency.record import RecordKey
-from app.idempotency.redis_cache import DegradationLog
+from app.idempotency.redis_cache import REDIS_FAILURES
+from app.ops.degradation import DegradationLog
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,11 @@ _CHANNEL_PREFIX = "idgw:w:"
 # Subscribed for as long as the listener runs: redis-py needs one subscription to read at all.
 _KEEPALIVE_CHANNEL = _CHANNEL_PREFIX + "keepalive"
 _RECONNECT_PAUSE = 1.0
+
+
+def channel_for(key: RecordKey) -> str:
+    """The pub/sub channel a key's waiters listen on."""
+    return cache_key(key, prefix=_CHANNEL_PREFIX)
 
 
 class Wakeups(Protocol):
@@ -44,8 +49,13 @@ class LocalWakeups:
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
 
+    @property
+    def parked(self) -> int:
+        """Waiters parked right now, over every key."""
+        return sum(self._waiters.values())
+
     async def wait(self, key: RecordKey, timeout: float) -> bool:  # noqa: ASYNC109
-        channel = cache_key(key, prefix=_CHANNEL_PREFIX)
+        channel = channel_for(key)
         event = self._events.setdefault(channel, asyncio.Event())
         self._waiters[channel] = self._waiters.get(channel, 0) + 1
         try:
@@ -75,7 +85,7 @@ class LocalWakeups:
             event.set()
 
     async def notify(self, key: RecordKey) -> None:
-        self.wake_local(cache_key(key, prefix=_CHANNEL_PREFIX))
+        self.wake_local(channel_for(key))
 
     async def close(self) -> None:
         for event in self._events.values():
@@ -91,7 +101,9 @@ class RedisWakeups(LocalWakeups):
         self.redis = subscriber
         self.publisher = publisher
         self.timeout = timeout
-        self.degradation = DegradationLog("Redis wake-ups")
+        self.degradation = DegradationLog(
+            "Redis wake-ups", fallback="waiters poll the durable store"
+        )
         self._pubsub: PubSub | None = None
         self._listener: asyncio.Task[None] | None = None
 
@@ -111,31 +123,31 @@ class RedisWakeups(LocalWakeups):
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None and message["type"] == "message":
                         self.wake_local(message["channel"].decode())
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 self.degradation.failed(exc)
             finally:
                 self._pubsub = None
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_FAILURES):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(_RECONNECT_PAUSE)
 
     async def _first_waiter_joined(self, channel: str) -> None:
         if self._waiters[channel] == 1 and self._pubsub is not None:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 await self._pubsub.subscribe(channel)
 
     async def _last_waiter_left(self, channel: str) -> None:
         if self._pubsub is not None:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 await self._pubsub.unsubscribe(channel)
 
     async def notify(self, key: RecordKey) -> None:
-        channel = cache_key(key, prefix=_CHANNEL_PREFIX)
+        channel = channel_for(key)
         self.wake_local(channel)
         try:
             async with asyncio.timeout(self.timeout):
                 await self.publisher.publish(channel, b"1")
-        except (RedisError, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES as exc:
             self.degradation.failed(exc)
 
     async def close(self) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.asgi import ClientDisconnected, Message, Receive, Scope, Send, read_body
+from app.asgi import ClientDisconnected, Receive, Scope, Send, read_body
 from app.config import GatewayConfig, OnAmbiguous, RouteConfig
 from app.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
 from app.idempotency.execution import execution_of
 from app.idempotency.machine import Outcome
+from app.ops.request_log import request_log_of
 from app.problems import send_problem
 from app.proxy.client import UpstreamRequest, UpstreamResponse
 from app.proxy.deadline import Deadline
@@ -22,6 +23,10 @@ from app.proxy.headers import client_response_headers, upstream_request_headers
 from app.request_id import request_id_of
 from app.resilience.retry import IDEMPOTENT_METHODS, SAFE_METHODS, ResilientUpstream, RetryPlan
 from app.routing import PrefixRouter
+
+
+class ResponseCutShort(Exception):
+    """The upstream's answer broke off mid-body; the server closes the client's connection."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,35 +48,35 @@ class ProxyApp:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
             return
-        response_started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal response_started
-            response_started = True
-            await send(message)
-
         try:
-            await self._forward(scope, receive, tracking_send)
+            await self._forward(scope, receive, send)
         except ClientDisconnected:
             return
         except UpstreamError as error:
-            execution = execution_of(scope)
-            if execution is not None:
-                not_sent = isinstance(error, UpstreamNotSent)
-                execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
-                if not not_sent and self._retries_ambiguous(scope):
-                    # The record stays retryable: the client's retry with the key runs again.
-                    error.retryable = True
-            if response_started:
-                raise  # mid-stream: the only honest signal left is a broken connection
+            self._report(scope, error)
             await send_problem(send, error, request_id=request_id_of(scope))
         except GatewayError as error:
             await send_problem(send, error, request_id=request_id_of(scope))
+
+    def _report(self, scope: Scope, error: UpstreamError) -> None:
+        """Tell the idempotency layer whether the request left, and the client whether a
+        retry with its key will run again."""
+        execution = execution_of(scope)
+        if execution is None:
+            return
+        not_sent = isinstance(error, UpstreamNotSent)
+        execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
+        if not not_sent and self._retries_ambiguous(scope):
+            # The record stays retryable: the client's retry with the key runs again.
+            error.retryable = True
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.router.match(scope["path"])
         if route is None:
             raise NoRouteMatched(f"no route matches {scope['path']}")
+        entry = request_log_of(scope)
+        if entry is not None:
+            entry.route, entry.upstream = route.config.name, route.upstream.name
         headers = scope["headers"]
         body = await read_body(receive, headers, limit=self.config.limits.max_request_body)
         url = self._upstream_url(route, scope)
@@ -90,10 +95,17 @@ class ProxyApp:
 
         deadline = Deadline.for_request(headers, route.upstream.client.config.timeouts.total)
         response = await route.upstream.open(
-            make_request, deadline=deadline, plan=self._retry_plan(route, scope)
+            make_request,
+            deadline=deadline,
+            plan=self._retry_plan(route, scope),
+            request_log=entry,
         )
         try:
             await self._stream_back(scope, response, send)
+        except UpstreamError as error:
+            self._report(scope, error)
+            # The head already went out: a broken connection is the only honest signal left.
+            raise ResponseCutShort(str(error)) from error
         finally:
             response.release()
 

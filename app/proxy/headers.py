@@ -36,7 +36,8 @@ def _connection_named(headers: Headers) -> set[bytes]:
 
 
 def end_to_end(headers: Headers) -> Headers:
-    dropped = HOP_BY_HOP | _connection_named(headers)
+    named = _connection_named(headers)
+    dropped = HOP_BY_HOP | named if named else HOP_BY_HOP
     return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 

@@ -39,6 +39,14 @@ TransitionListener = Callable[[str, BreakerState, BreakerState], None]
 
 
 @dataclass(frozen=True, slots=True)
+class BreakerSnapshot:
+    state: BreakerState
+    calls: int
+    failures: int
+    slow_calls: int
+
+
+@dataclass(frozen=True, slots=True)
 class Permit:
     generation: int
     started_at: float
@@ -143,11 +151,7 @@ class CircuitBreaker:
         if old is not new and self._on_transition is not None:
             self._on_transition(self.name, old, new)
 
-    def snapshot(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "state": self.state.value,
-            "calls": self._calls.total(),
-            "failures": self._failures.total(),
-            "slow_calls": self._slow.total(),
-        }
+    def snapshot(self) -> BreakerSnapshot:
+        return BreakerSnapshot(
+            self.state, self._calls.total(), self._failures.total(), self._slow.total()
+        )

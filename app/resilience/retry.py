@@ -20,12 +20,20 @@ from dataclasses import dataclass
 
 from app.config import CONNECT_FAILURE, UpstreamConfig
 from app.errors import (
+    CircuitOpen,
     DeadlineExhausted,
     UpstreamConnectionLost,
     UpstreamError,
     UpstreamNotSent,
     UpstreamTimeout,
 )
+from app.ops.metrics import (
+    RETRY_BUDGET_EXHAUSTED,
+    UPSTREAM_ATTEMPT_DURATION,
+    UPSTREAM_ATTEMPTS,
+    UPSTREAM_RETRIES,
+)
+from app.ops.request_log import RequestLog
 from app.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from app.proxy.deadline import Deadline
 from app.resilience.backoff import full_jitter, parse_retry_after
@@ -36,6 +44,12 @@ log = logging.getLogger(__name__)
 
 # An attempt with less time than this cannot get an answer; failing fast is kinder.
 MIN_ATTEMPT_TIME = 0.005
+
+_ERROR_RESULTS: dict[type[UpstreamError], str] = {
+    UpstreamNotSent: "connect_error",
+    UpstreamTimeout: "timeout",
+    UpstreamConnectionLost: "connection_lost",
+}
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 IDEMPOTENT_METHODS = SAFE_METHODS | {"PUT", "DELETE"}
@@ -83,7 +97,12 @@ class ResilientUpstream:
         self.per_try = config.timeouts.per_try
 
     async def open(
-        self, make_request: RequestFactory, *, deadline: Deadline, plan: RetryPlan
+        self,
+        make_request: RequestFactory,
+        *,
+        deadline: Deadline,
+        plan: RetryPlan,
+        request_log: RequestLog | None = None,
     ) -> UpstreamResponse:
         """The response to stream back (the caller releases it), or the last failure."""
         self.budget.record_request()
@@ -95,13 +114,21 @@ class ResilientUpstream:
                 raise DeadlineExhausted(
                     f"the request's deadline ran out before attempt {attempt} to {self.name!r}"
                 )
-            permit = self.breaker.acquire()
+            try:
+                permit = self.breaker.acquire()
+            except CircuitOpen:
+                UPSTREAM_ATTEMPTS.labels(self.name, "circuit_open").inc()
+                raise
+            if request_log is not None:
+                request_log.attempts = attempt
             head_within = min(self.per_try, time_left)
+            started = time.perf_counter()
             try:
                 response = await self.client.open(
                     make_request(head_within), head_within=head_within
                 )
             except UpstreamError as error:
+                self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
                 self.breaker.record(permit, failure=self._error_is_failure(error))
                 reason = self._why_not_retry_error(error, plan)
                 if reason is None:
@@ -110,6 +137,7 @@ class ResilientUpstream:
                     self._log_final(attempt, type(error).__name__, reason)
                     raise
                 continue
+            self._measure(started, f"{response.status // 100}xx")
             self.breaker.record(permit, failure=self._status_is_failure(response.status))
             reason = self._why_not_retry_status(response.status, plan)
             if reason is None:
@@ -166,7 +194,9 @@ class ResilientUpstream:
         if delay + MIN_ATTEMPT_TIME >= deadline.remaining():
             return f"a pause of {delay:.3f}s would not leave time for another attempt"
         if not self.budget.try_withdraw():
+            RETRY_BUDGET_EXHAUSTED.labels(self.name).inc()
             return "the retry budget is exhausted"
+        UPSTREAM_RETRIES.labels(self.name).inc()
         if response is not None:
             response.release()
         log.info(
@@ -179,6 +209,10 @@ class ResilientUpstream:
         )
         await self._sleep(delay)
         return None
+
+    def _measure(self, started: float, result: str) -> None:
+        UPSTREAM_ATTEMPT_DURATION.labels(self.name).observe(time.perf_counter() - started)
+        UPSTREAM_ATTEMPTS.labels(self.name, result).inc()
 
     def _log_final(self, attempts: int, outcome: str, reason: str) -> None:
         log.info(

@@ -89,10 +89,11 @@ class RunningGateway:
 
 @contextlib.asynccontextmanager
 async def running_gateway(
-    config: GatewayConfig, *, database_url: str
+    config: GatewayConfig, *, database_url: str, redis_url: str | None = None
 ) -> AsyncIterator[RunningGateway]:
-    """Build the gateway with ``create_gateway`` and serve it (lifespan on) over loopback."""
-    gateway = create_gateway(config, database_url=database_url)
+    """Build the gateway with ``create_gateway`` and serve it (lifespan on) over loopback;
+    with ``redis_url`` its replay cache and wake-ups are Redis, else in-process."""
+    gateway = create_gateway(config, database_url=database_url, redis_url=redis_url)
     async with (
         serve_asgi(gateway, **CLI_SERVER_OPTIONS) as url,
         # trust_env off: a proxy in the environment must never sit between test and gateway.
@@ -107,9 +108,11 @@ class GatewayLauncher:
     def __init__(self) -> None:
         self._stack = contextlib.AsyncExitStack()
 
-    async def start(self, config: GatewayConfig, *, database_url: str) -> RunningGateway:
+    async def start(
+        self, config: GatewayConfig, *, database_url: str, redis_url: str | None = None
+    ) -> RunningGateway:
         return await self._stack.enter_async_context(
-            running_gateway(config, database_url=database_url)
+            running_gateway(config, database_url=database_url, redis_url=redis_url)
         )
 
     async def __aenter__(self) -> Self:

@@ -145,6 +145,8 @@ class GatewayProcess:
         self.extra_args = list(extra_args)
         self.host = host
         self.port = port if port is not None else free_port(host)
+        # Every gateway also listens on an admin port; each test process needs its own.
+        self.admin_port = free_port(host)
         self.name = name
         self.startup_timeout = startup_timeout
         self.command = list(command) if command else [sys.executable, "-m", "app.cli"]
@@ -162,6 +164,10 @@ class GatewayProcess:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def admin_url(self) -> str:
+        return f"http://{self.host}:{self.admin_port}"
+
+    @property
     def argv(self) -> list[str]:
         return [
             *self.command,
@@ -172,6 +178,8 @@ class GatewayProcess:
             self.host,
             "--port",
             str(self.port),
+            "--admin-port",
+            str(self.admin_port),
             *self.extra_args,
         ]
 

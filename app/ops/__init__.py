@@ -1,0 +1,1 @@
+"""Operations: metrics, structured request logs, the admin listener, the sweeper."""

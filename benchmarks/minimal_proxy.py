@@ -1,0 +1,45 @@
+"""The ceiling for a Python proxy: pure ASGI, one aiohttp session, no idempotency, no checks.
+
+    BENCH_UPSTREAM_URL=http://127.0.0.1:9000 uvicorn benchmarks.minimal_proxy:app \
+        --loop uvloop --http httptools --workers 1
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+UPSTREAM = os.environ.get("BENCH_UPSTREAM_URL", "http://127.0.0.1:9000")
+HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"host", b"trailer"}
+session: aiohttp.ClientSession | None = None
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    global session
+    if scope["type"] == "lifespan":
+        await receive()  # startup
+        session = aiohttp.ClientSession(auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # shutdown
+        await session.close()
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    assert session is not None
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
+    target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+    headers = [(k.decode(), v.decode("latin-1")) for k, v in scope["headers"] if k not in HOP]
+    async with session.request(
+        scope["method"], URL(UPSTREAM + target.decode("latin-1"), encoded=True),
+        headers=headers, data=body or None, allow_redirects=False,
+    ) as response:  # fmt: skip
+        out = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in HOP]
+        await send({"type": "http.response.start", "status": response.status, "headers": out})
+        async for chunk in response.content.iter_chunked(64 * 1024):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})

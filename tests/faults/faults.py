@@ -1,0 +1,154 @@
+"""Fault injectors: each one breaks one thing for a bounded time, then heals it.
+
+Every injector targets 127.0.0.1 only (our own gateway processes, our private PostgreSQL and
+Redis, our upstream), counts what it did in ``injected`` by kind, and returns once the fault
+is healed. The pauses inside are the length of an outage, not a way of waiting for
+something: where an injector waits for a condition (a gateway with requests in flight), it
+polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from tests.faults.clients import FaultClient, Load
+from tests.faults.cluster import LEASE, Cluster, PrivatePostgres, PrivateRedis
+from tests.faults.upstream import FaultyUpstream
+from tests.support import GatewayProcess, eventually
+
+GATEWAY_KILL = "gateway kill -9 mid-request"
+GATEWAY_STALL = "gateway SIGSTOP past the lease"
+POSTGRES_RESTART = "postgresql stopped and restarted"
+REDIS_RESTART = "redis kill -9 and restart"
+UPSTREAM_HANG = "upstream hangs"
+UPSTREAM_RESET = "upstream resets after commit"
+UPSTREAM_5XX = "upstream answers 5xx"
+
+KINDS = (
+    GATEWAY_KILL,
+    GATEWAY_STALL,
+    POSTGRES_RESTART,
+    REDIS_RESTART,
+    UPSTREAM_HANG,
+    UPSTREAM_RESET,
+    UPSTREAM_5XX,
+)
+# The 5xx an upstream answers in turn: final (500), ambiguous (502), not processed (503).
+FAULT_STATUSES = (500, 502, 503)
+
+
+@dataclass
+class FaultInjector:
+    cluster: Cluster
+    upstream: FaultyUpstream
+    postgres: PrivatePostgres
+    redis_server: PrivateRedis
+    load: Load
+    rng: random.Random
+    client_deadline: float = 30.0
+    injected: Counter[str] = field(default_factory=Counter)
+
+    def injector(self, kind: str) -> Callable[[], Awaitable[None]]:
+        return {
+            GATEWAY_KILL: self.kill_gateway_mid_request,
+            GATEWAY_STALL: self.stall_gateway_past_lease,
+            POSTGRES_RESTART: self.restart_postgres,
+            REDIS_RESTART: self.restart_redis,
+            UPSTREAM_HANG: lambda: self.upstream_misbehaves(UPSTREAM_HANG, "hang"),
+            UPSTREAM_RESET: lambda: self.upstream_misbehaves(UPSTREAM_RESET, "reset"),
+            UPSTREAM_5XX: self.upstream_answers_5xx,
+        }[kind]
+
+    async def inject(self, kind: str) -> None:
+        await self.injector(kind)()
+
+    async def _busy_gateway(self) -> GatewayProcess:
+        """A gateway owning a request the upstream is working on right now (polled, with a
+        deadline): a crash or a stall there strikes mid-request."""
+
+        def busy() -> GatewayProcess | None:
+            candidates = [
+                gateway
+                for gateway in self.cluster.gateways
+                if any(self.upstream.working[op.key] for op in self.load.inflight_at(gateway))
+            ]
+            return self.rng.choice(candidates) if candidates else None
+
+        return await eventually(
+            busy, timeout=10.0, interval=0.005, message="a gateway with a request upstream"
+        )
+
+    async def kill_gateway_mid_request(self) -> None:
+        """kill -9 a gateway while it has requests in flight, then start a replacement."""
+        victim = await self._busy_gateway()
+        await self.cluster.kill(victim)
+        self.injected[GATEWAY_KILL] += 1
+        await self.cluster.replace()
+
+    async def stall_gateway_past_lease(self) -> None:
+        """SIGSTOP a busy gateway for twice the lease, then SIGCONT (before its upstream
+        timeout): it wakes up holding answers it no longer owns.
+
+        Meanwhile a second instance of each stalled client (a "twin", as when a job runner
+        retries the same business operation elsewhere) sends the same operations through
+        the other gateways, so the stalled owners' records are really taken over.
+        """
+        victim = await self._busy_gateway()
+        stalled = self.load.inflight_at(victim)
+        victim.pause()
+        self.injected[GATEWAY_STALL] += 1
+        twin = FaultClient(f"twin-of-{victim.name}", stalled)
+        others = [gateway for gateway in self.cluster.gateways if gateway is not victim]
+        task = asyncio.create_task(
+            twin.run(
+                lambda: others,
+                self.load,
+                deadline=self.client_deadline,
+                resend_chance=0.0,
+                rng=random.Random(self.rng.random()),
+                finish_all=True,
+            )
+        )
+        self.load.extra_clients.append((twin, task))
+        try:
+            await asyncio.sleep(LEASE * 2)  # the outage itself
+        finally:
+            victim.resume()
+
+    async def restart_postgres(self, down_for: float = 1.5) -> None:
+        await self.postgres.stop()
+        self.injected[POSTGRES_RESTART] += 1
+        try:
+            await asyncio.sleep(down_for)  # the outage itself
+        finally:
+            await self.postgres.start()
+
+    async def restart_redis(self, down_for: float = 1.0) -> None:
+        await self.redis_server.kill()
+        self.injected[REDIS_RESTART] += 1
+        try:
+            await asyncio.sleep(down_for)  # the outage itself
+        finally:
+            await self.redis_server.start()
+
+    async def upstream_misbehaves(self, kind: str, behavior: str, lasting: float = 1.0) -> None:
+        self.upstream.fault = behavior
+        self.injected[kind] += 1
+        try:
+            await asyncio.sleep(lasting)  # the outage itself
+        finally:
+            self.upstream.fault = None
+
+    async def upstream_answers_5xx(self, lasting: float = 1.5) -> None:
+        """A final 500, an ambiguous 502 and a not-processed 503, a third of the time each."""
+        self.injected[UPSTREAM_5XX] += 1
+        try:
+            for status in self.rng.sample(FAULT_STATUSES, len(FAULT_STATUSES)):
+                self.upstream.fault = f"status={status}"
+                await asyncio.sleep(lasting / len(FAULT_STATUSES))  # the outage itself
+        finally:
+            self.upstream.fault = None

@@ -1,0 +1,64 @@
+"""Keyed requests to a gateway, and the record key the gateway files them under.
+
+    response = await send_keyed(gateway.client, key, behavior="gate=g1", prefer="wait=5")
+    entry = await redis.get(cache_key(record_key(key)))
+
+``keyed_gateway_config`` is a gateway config whose one route ``/`` requires a key and whose
+upstream gets a single attempt per request, so every upstream execution is one the record
+allowed (a retry is always the client's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from app.config import GatewayConfig
+from app.idempotency.keys import scope_of
+from app.idempotency.record import RecordKey
+from tests.support.gateway import gateway_config, route
+from tests.support.upstream import BEHAVIOR_HEADER, KEY_HEADER
+
+AUTHORIZATION = "Bearer sk_test_keyed_requests"
+CHARGES = "/v1/charges"
+CHARGE = {"amount": 1000, "currency": "usd"}
+
+REPLAYED = "idempotent-replayed"
+PREFERENCE_APPLIED = "preference-applied"
+
+
+def keyed_gateway_config(upstream_url: str, **overrides: Any) -> GatewayConfig:
+    """``gateway_config`` with a key-required route ``/`` and one upstream attempt, unless
+    ``routes`` or ``retry`` say otherwise."""
+    overrides.setdefault("routes", [route("/", key="required")])
+    overrides.setdefault("retry", {"max_attempts": 1})
+    return gateway_config(upstream_url, **overrides)
+
+
+def record_key(key: str, *, method: str = "POST", path: str = CHARGES) -> RecordKey:
+    """The record key of a ``send_keyed`` request (default scope and operation)."""
+    scope = scope_of([(b"authorization", AUTHORIZATION.encode())], (b"authorization",))
+    return RecordKey(scope, f"{method} {path}", key)
+
+
+async def send_keyed(
+    client: httpx.AsyncClient,
+    key: str,
+    *,
+    path: str = CHARGES,
+    json: Any = CHARGE,
+    behavior: str | None = None,
+    prefer: str | None = None,
+) -> httpx.Response:
+    """POST ``json`` to ``path`` with ``Idempotency-Key: key`` and the fixed credential."""
+    headers = {"Authorization": AUTHORIZATION, KEY_HEADER: key}
+    if behavior is not None:
+        headers[BEHAVIOR_HEADER] = behavior
+    if prefer is not None:
+        headers["Prefer"] = prefer
+    return await client.post(path, json=json, headers=headers)
+
+
+def is_replay(response: httpx.Response) -> bool:
+    return response.headers.get(REPLAYED) == "true"

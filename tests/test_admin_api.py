@@ -1,0 +1,669 @@
+"""The operator API on the admin listener does what SPEC section 8 promises.
+
+Proves that every ``/admin`` endpoint answers only the right bearer token (401 problems with
+``WWW-Authenticate: Bearer`` otherwise, and a 404 problem saying the API is off when no token
+is configured) while health, readiness and metrics stay open; that a record is found by its
+scope hash or by the client's raw credential (which never comes back), with the stored body on
+request; that deleting or expiring a record really lets its key execute again, Redis entry
+included; that an owner killed mid-flight shows up as stuck once its lease ran out; that
+breakers are listed with their counts, forced open (503, no upstream call) and back to normal,
+on every gateway sharing the database; and that a real ``serve`` process keeps the admin API
+and its OpenAPI docs on the admin port only.
+
+Most tests run the gateway in the test's loop and serve its admin app (``gateway.admin``) on a
+second loopback port; the multi-process ones run ``idempotency-gateway serve``. Forced breakers
+are shared through PostgreSQL by every gateway, so each test forces only an upstream with a
+name of its own and the ``payments`` fixture removes that override afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio
+from pydantic import SecretStr
+from sqlalchemy import delete
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app.config import GatewayConfig
+from app.idempotency.cache import cache_key
+from app.idempotency.schema import breaker_overrides
+from app.main import Gateway, create_gateway
+from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
+from tests.support.gateway import CLI_SERVER_OPTIONS, route
+from tests.support.keyed import (
+    AUTHORIZATION,
+    CHARGE,
+    CHARGES,
+    is_replay,
+    keyed_gateway_config,
+    record_key,
+    send_keyed,
+)
+from tests.support.upstream import BEHAVIOR_HEADER
+
+TOKEN = "admin-token-for-tests"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+OPERATION = f"POST {CHARGES}"
+PROBLEM_JSON = "application/problem+json"
+ADMIN_PATHS = {
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/admin/records",
+    "/admin/records/stuck",
+    "/admin/records/expire",
+    "/admin/breakers",
+    "/admin/breakers/{upstream}",
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class AdminGateway:
+    app: Gateway
+    proxy: httpx.AsyncClient
+    admin: httpx.AsyncClient
+    """The admin listener; sends no credentials unless the call adds ``ADMIN``."""
+
+
+@contextlib.asynccontextmanager
+async def serve_with_admin(
+    config: GatewayConfig,
+    *,
+    database_url: str,
+    redis_url: str | None = None,
+    token: str | None = TOKEN,
+    override_sync_interval: float | None = None,
+) -> AsyncIterator[AdminGateway]:
+    """The gateway (lifespan on: override sync and sweeper run) on one loopback port and its
+    admin app on another."""
+    gateway = create_gateway(
+        config,
+        database_url=database_url,
+        redis_url=redis_url,
+        admin_token=SecretStr(token) if token is not None else None,
+    )
+    if override_sync_interval is not None:
+        gateway.overrides.interval = override_sync_interval
+    async with (
+        serve_asgi(gateway, **CLI_SERVER_OPTIONS) as proxy_url,
+        serve_asgi(gateway.admin, lifespan="off") as admin_url,
+        httpx.AsyncClient(base_url=proxy_url, timeout=10.0, trust_env=False) as proxy,
+        httpx.AsyncClient(base_url=admin_url, timeout=10.0, trust_env=False) as admin,
+    ):
+        yield AdminGateway(gateway, proxy, admin)
+
+
+def payments_config(upstream_url: str, payments: str) -> GatewayConfig:
+    """Route ``/`` (key required) to the upstream named ``payments``, one attempt a request."""
+    return keyed_gateway_config(
+        upstream_url,
+        upstreams={payments: {"url": upstream_url, "retry": {"max_attempts": 1}}},
+        routes=[route("/", upstream=payments, key="required")],
+    )
+
+
+def by_scope(key: str, **extra: Any) -> dict[str, Any]:
+    """Query parameters naming the record of a ``send_keyed`` request by its scope hash."""
+    return {"operation": OPERATION, "key": key, "scope": record_key(key).scope, **extra}
+
+
+def by_credential(key: str, **extra: Any) -> dict[str, Any]:
+    return {"operation": OPERATION, "key": key, **extra}
+
+
+def assert_problem(
+    response: httpx.Response, status: int, slug: str, context: str = ""
+) -> dict[str, Any]:
+    """``response`` is an RFC 9457 problem with ``status`` whose type ends in ``slug``."""
+    assert response.status_code == status, (context, response.text)
+    assert response.headers["content-type"].startswith(PROBLEM_JSON), context
+    problem: dict[str, Any] = response.json()
+    assert problem["status"] == status, context
+    assert problem["type"].endswith(slug), (context, problem)
+    assert problem["detail"], context
+    return problem
+
+
+def breaker_named(listing: httpx.Response, name: str) -> dict[str, Any]:
+    assert listing.status_code == 200, listing.text
+    (view,) = [view for view in listing.json() if view["name"] == name]
+    return dict(view)
+
+
+async def breaker_state(gateway: AdminGateway, name: str) -> str:
+    return str(
+        breaker_named(await gateway.admin.get("/admin/breakers", headers=ADMIN), name)["state"]
+    )
+
+
+async def charge(gateway: AdminGateway) -> httpx.Response:
+    """A keyed charge with a key never used before."""
+    return await send_keyed(gateway.proxy, f"charge-{uuid.uuid4().hex}")
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with RecordingUpstream() as recording:
+        yield recording
+
+
+@pytest.fixture
+async def payments(postgres_url: str) -> AsyncIterator[str]:
+    """An upstream name of this test's own; any override forced on it is removed at the end,
+    so no other test's gateway ever sees it."""
+    name = f"payments-{uuid.uuid4().hex[:12]}"
+    yield name
+    engine = create_async_engine(postgres_url)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(
+                delete(breaker_overrides).where(breaker_overrides.c.upstream == name)
+            )
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+async def gateway(
+    upstream: RecordingUpstream, payments: str, postgres_url: str
+) -> AsyncIterator[AdminGateway]:
+    async with serve_with_admin(
+        payments_config(upstream.url, payments), database_url=postgres_url
+    ) as served:
+        yield served
+
+
+# ------------------------------------------------------------------------------ tokens
+
+
+@dataclass(frozen=True)
+class AdminCall:
+    method: str
+    path: str
+    needs_record: bool = False
+    json: dict[str, Any] | None = None
+
+
+ADMIN_CALLS = {
+    "get-record": AdminCall("GET", "/admin/records", needs_record=True),
+    "list-stuck": AdminCall("GET", "/admin/records/stuck"),
+    "delete-record": AdminCall("DELETE", "/admin/records", needs_record=True),
+    "expire-record": AdminCall("POST", "/admin/records/expire", needs_record=True),
+    "list-breakers": AdminCall("GET", "/admin/breakers"),
+    "force-breaker": AdminCall("PUT", "/admin/breakers/{payments}", json={"state": "normal"}),
+}
+WRONG_CREDENTIALS = {
+    "wrong token": f"Bearer {TOKEN}-wrong",
+    "token without scheme": TOKEN,
+    "other scheme": f"Basic {TOKEN}",
+    "token prefix": f"Bearer {TOKEN[:-1]}",
+}
+
+
+async def call_admin(
+    gateway: AdminGateway, call: AdminCall, key: str, payments: str, headers: dict[str, str]
+) -> httpx.Response:
+    return await gateway.admin.request(
+        call.method,
+        call.path.format(payments=payments),
+        params=by_scope(key) if call.needs_record else None,
+        json=call.json,
+        headers=headers,
+    )
+
+
+async def test_every_admin_endpoint_answers_only_the_right_bearer_token(
+    gateway: AdminGateway, payments: str, unique: Callable[[str], str]
+) -> None:
+    for name, call in ADMIN_CALLS.items():
+        key = unique(f"auth-{name}")
+        assert (await send_keyed(gateway.proxy, key)).status_code == 201
+        before = await gateway.app.store.get(record_key(key))
+
+        missing = await call_admin(gateway, call, key, payments, headers={})
+        assert_problem(missing, 401, ":unauthorized", name)
+        assert missing.headers["WWW-Authenticate"] == "Bearer", name
+        for credential in WRONG_CREDENTIALS.values():
+            wrong = await call_admin(gateway, call, key, payments, {"Authorization": credential})
+            assert_problem(wrong, 401, ":unauthorized", f"{name} with {credential!r}")
+            assert wrong.headers["WWW-Authenticate"] == "Bearer", name
+        # Refused calls changed nothing.
+        assert await gateway.app.store.get(record_key(key)) == before, name
+
+        allowed = await call_admin(gateway, call, key, payments, ADMIN)
+        assert allowed.status_code == 200, (name, allowed.text)
+
+
+async def test_admin_api_is_off_and_says_so_without_a_configured_token(
+    upstream: RecordingUpstream, payments: str, postgres_url: str, unique: Callable[[str], str]
+) -> None:
+    config = payments_config(upstream.url, payments)
+    async with serve_with_admin(config, database_url=postgres_url, token=None) as gateway:
+        key = unique("off")
+        assert (await send_keyed(gateway.proxy, key)).status_code == 201
+
+        for name, call in ADMIN_CALLS.items():
+            for headers in ({}, ADMIN):
+                answer = await call_admin(gateway, call, key, payments, headers)
+                problem = assert_problem(answer, 404, ":admin-api-off", name)
+                assert "GATEWAY_ADMIN_TOKEN" in problem["detail"]
+        assert (await gateway.admin.get("/healthz")).status_code == 200
+        assert await gateway.app.store.get(record_key(key)) is not None
+
+
+async def test_health_readiness_and_metrics_need_no_token(gateway: AdminGateway) -> None:
+    health = await gateway.admin.get("/healthz")
+    ready = await gateway.admin.get("/readyz")
+    metrics = await gateway.admin.get("/metrics")
+
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok"}
+    assert ready.status_code == 200
+    assert ready.json()["store"] == "ok"
+    assert metrics.status_code == 200
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "idempotency_gateway_requests_total" in metrics.text
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@pytest.fixture
+async def records_gateway(
+    upstream: RecordingUpstream, payments: str, database_url: str
+) -> AsyncIterator[AdminGateway]:
+    """The admin gateway on each store (PostgreSQL and SQLite)."""
+    async with serve_with_admin(
+        payments_config(upstream.url, payments), database_url=database_url
+    ) as served:
+        yield served
+
+
+async def test_record_is_found_by_scope_hash_and_by_raw_credential(
+    records_gateway: AdminGateway, unique: Callable[[str], str]
+) -> None:
+    key = unique("lookup")
+    answer = await send_keyed(records_gateway.proxy, key)
+    assert answer.status_code == 201
+
+    by_hash = await records_gateway.admin.get("/admin/records", params=by_scope(key), headers=ADMIN)
+    by_secret = await records_gateway.admin.get(
+        "/admin/records",
+        params=by_credential(key),
+        headers={**ADMIN, "X-Scope-Credential": AUTHORIZATION},
+    )
+
+    assert by_hash.status_code == 200, by_hash.text
+    assert by_secret.status_code == 200, by_secret.text
+    view = by_hash.json()
+    assert by_secret.json() == view
+    assert view["scope"] == record_key(key).scope
+    assert view["operation"] == OPERATION
+    assert view["idempotency_key"] == key
+    assert view["status"] == "SUCCEEDED"
+    assert (view["fencing_token"], view["attempts"]) == (1, 1)
+    assert view["response"]["status"] == 201
+    assert view["response"]["body_size"] == len(answer.content)
+    assert view["response"]["body_omitted"] is False
+    assert view["response"]["body_base64"] is None
+    # The credential is hashed, never echoed.
+    secret = AUTHORIZATION.removeprefix("Bearer ")
+    assert secret not in by_secret.text
+    assert secret not in by_hash.text
+
+
+async def test_record_lookup_returns_the_stored_body_on_request(
+    records_gateway: AdminGateway, unique: Callable[[str], str]
+) -> None:
+    key = unique("lookup-body")
+    answer = await send_keyed(records_gateway.proxy, key)
+
+    found = await records_gateway.admin.get(
+        "/admin/records", params=by_scope(key, include_body="true"), headers=ADMIN
+    )
+
+    assert found.status_code == 200, found.text
+    assert base64.b64decode(found.json()["response"]["body_base64"]) == answer.content
+
+
+RECORD_CALLS = {
+    "get": ("GET", "/admin/records"),
+    "delete": ("DELETE", "/admin/records"),
+    "expire": ("POST", "/admin/records/expire"),
+}
+
+
+async def test_record_calls_answer_404_for_an_unknown_key(
+    records_gateway: AdminGateway, unique: Callable[[str], str]
+) -> None:
+    for name, (method, path) in RECORD_CALLS.items():
+        unknown = await records_gateway.admin.request(
+            method, path, params=by_scope(unique("never-sent")), headers=ADMIN
+        )
+
+        assert_problem(unknown, 404, ":not-found", name)
+
+
+async def test_record_calls_need_exactly_one_form_of_scope(
+    records_gateway: AdminGateway, unique: Callable[[str], str]
+) -> None:
+    key = unique("one-scope")
+    await send_keyed(records_gateway.proxy, key)
+    before = await records_gateway.app.store.get(record_key(key))
+
+    for name, (method, path) in RECORD_CALLS.items():
+        both = await records_gateway.admin.request(
+            method,
+            path,
+            params=by_scope(key),
+            headers={**ADMIN, "X-Scope-Credential": AUTHORIZATION},
+        )
+        neither = await records_gateway.admin.request(
+            method, path, params=by_credential(key), headers=ADMIN
+        )
+
+        for answer in (both, neither):
+            problem = assert_problem(answer, 422, ":invalid-admin-request", name)
+            assert "X-Scope-Credential" in problem["detail"], name
+    assert await records_gateway.app.store.get(record_key(key)) == before
+
+
+REMOVALS = {
+    "delete": ("DELETE", "/admin/records", {"deleted": True}),
+    "expire": ("POST", "/admin/records/expire", {"expired": True}),
+}
+
+
+async def remove_and_run_again(
+    gateway: AdminGateway,
+    upstream: RecordingUpstream,
+    key: str,
+    removal: tuple[str, str, dict[str, bool]],
+    between: Callable[[], Any] | None = None,
+) -> None:
+    """Execute ``key``, see it replayed, remove it through the admin API, then see the same
+    request execute a second time (and replay that second answer)."""
+    method, path, expected = removal
+    first = await send_keyed(gateway.proxy, key)
+    replay = await send_keyed(gateway.proxy, key)
+    assert first.status_code == 201
+    assert is_replay(replay)
+    assert upstream.count(key) == 1
+
+    removed = await gateway.admin.request(method, path, params=by_scope(key), headers=ADMIN)
+
+    assert removed.status_code == 200, removed.text
+    assert removed.json() == expected
+    if between is not None:
+        await between()
+    again = await send_keyed(gateway.proxy, key)
+    assert again.status_code == 201
+    assert not is_replay(again)
+    assert again.json()["execution"] != first.json()["execution"]
+    assert upstream.count(key) == 2
+    assert is_replay(await send_keyed(gateway.proxy, key))
+    assert upstream.count(key) == 2
+
+
+@pytest.mark.parametrize("removal", REMOVALS.values(), ids=REMOVALS.keys())
+async def test_removed_record_lets_its_key_execute_again(
+    records_gateway: AdminGateway,
+    upstream: RecordingUpstream,
+    removal: tuple[str, str, dict[str, bool]],
+    unique: Callable[[str], str],
+) -> None:
+    await remove_and_run_again(records_gateway, upstream, unique("removed"), removal)
+
+
+async def test_expired_record_stays_readable_until_it_runs_again(
+    records_gateway: AdminGateway, unique: Callable[[str], str]
+) -> None:
+    key = unique("expired-readable")
+    await send_keyed(records_gateway.proxy, key)
+
+    expired = await records_gateway.admin.post(
+        "/admin/records/expire", params=by_scope(key), headers=ADMIN
+    )
+    found = await records_gateway.admin.get("/admin/records", params=by_scope(key), headers=ADMIN)
+
+    assert expired.status_code == 200
+    assert found.status_code == 200
+    assert found.json()["status"] == "SUCCEEDED"
+    assert datetime.fromisoformat(found.json()["expires_at"]) <= datetime.now(UTC)
+
+
+@pytest.mark.parametrize("removal", REMOVALS.values(), ids=REMOVALS.keys())
+async def test_removed_record_loses_its_redis_entry_too(
+    upstream: RecordingUpstream,
+    payments: str,
+    postgres_url: str,
+    redis_url: str,
+    redis_client: redis.asyncio.Redis,
+    removal: tuple[str, str, dict[str, bool]],
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("removed-redis")
+    entry = cache_key(record_key(key))
+    config = payments_config(upstream.url, payments)
+
+    async def redis_entry_is_gone() -> None:
+        assert await redis_client.exists(entry) == 0
+
+    async with serve_with_admin(config, database_url=postgres_url, redis_url=redis_url) as gateway:
+        await send_keyed(gateway.proxy, key)
+        await eventually(lambda: redis_client.exists(entry), message="the answer is cached")
+
+        await remove_and_run_again(gateway, upstream, key, removal, between=redis_entry_is_gone)
+
+
+# ------------------------------------------------------------------------------ stuck
+
+
+@pytest.mark.multiprocess
+async def test_owner_killed_mid_flight_is_listed_as_stuck_once_its_lease_ran_out(
+    tmp_path: Path,
+    upstream: RecordingUpstream,
+    payments: str,
+    postgres_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("stuck")
+    config = keyed_gateway_config(upstream.url, routes=[route("/", key="required", lease="1s")])
+    owner = GatewayProcess(
+        write_config(tmp_path, config.model_dump(mode="json")),
+        env={"GATEWAY_DATABASE_URL": postgres_url},
+        log_dir=tmp_path,
+        name="owner",
+    )
+
+    async def stuck_keys(gateway: AdminGateway) -> list[dict[str, Any]]:
+        listing = await gateway.admin.get(
+            "/admin/records/stuck", params={"limit": 1000}, headers=ADMIN
+        )
+        assert listing.status_code == 200, listing.text
+        return [view for view in listing.json() if view["idempotency_key"] == key]
+
+    async with (
+        serve_with_admin(
+            payments_config(upstream.url, payments), database_url=postgres_url
+        ) as operator,
+        owner,
+        httpx.AsyncClient(base_url=owner.url, timeout=10.0, trust_env=False) as client,
+    ):
+        request = asyncio.create_task(
+            client.post(
+                CHARGES,
+                json=CHARGE,
+                headers={
+                    "Authorization": AUTHORIZATION,
+                    "Idempotency-Key": key,
+                    BEHAVIOR_HEADER: "gate=stuck",
+                },
+            )
+        )
+        await upstream.wait_arrived("stuck")
+        await owner.kill()
+        with pytest.raises(httpx.TransportError):
+            await request
+
+        (stuck,) = await eventually(
+            lambda: stuck_keys(operator), timeout=10.0, message="the record is listed as stuck"
+        )
+
+    assert stuck["status"] == "IN_PROGRESS"
+    assert stuck["scope"] == record_key(key).scope
+    assert stuck["fencing_token"] == 1
+    assert datetime.fromisoformat(stuck["lease_expires_at"]) <= datetime.now(UTC)
+    assert upstream.count(key) == 1
+
+
+# ----------------------------------------------------------------------------- breakers
+
+
+async def test_breakers_are_listed_with_state_and_counts(
+    gateway: AdminGateway, payments: str, unique: Callable[[str], str]
+) -> None:
+    idle = await gateway.admin.get("/admin/breakers", headers=ADMIN)
+    assert {view["name"] for view in idle.json()} == {payments, "primary"}
+    assert breaker_named(idle, payments) == {
+        "name": payments,
+        "state": "closed",
+        "calls": 0,
+        "failures": 0,
+        "slow_calls": 0,
+        "override": None,
+    }
+
+    for _ in range(2):
+        assert (await charge(gateway)).status_code == 201
+    failed = await send_keyed(gateway.proxy, unique("unavailable"), behavior="status=503")
+    assert failed.status_code == 503
+
+    busy = breaker_named(await gateway.admin.get("/admin/breakers", headers=ADMIN), payments)
+    assert (busy["state"], busy["calls"], busy["failures"]) == ("closed", 3, 1)
+
+
+async def test_forced_open_breaker_refuses_without_calling_the_upstream_until_normal(
+    gateway: AdminGateway, upstream: RecordingUpstream, payments: str
+) -> None:
+    forced = await gateway.admin.put(
+        f"/admin/breakers/{payments}", json={"state": "forced_open"}, headers=ADMIN
+    )
+    assert forced.status_code == 200, forced.text
+    assert (forced.json()["state"], forced.json()["override"]) == ("forced_open", "forced_open")
+
+    refused = await charge(gateway)
+    problem = assert_problem(refused, 503, ":circuit-open")
+    assert problem["retryable"] is True
+    assert refused.headers["Retry-After"]
+    assert upstream.total == 0
+
+    normal = await gateway.admin.put(
+        f"/admin/breakers/{payments}", json={"state": "normal"}, headers=ADMIN
+    )
+    assert normal.status_code == 200, normal.text
+    assert (normal.json()["state"], normal.json()["override"]) == ("closed", None)
+    assert (await charge(gateway)).status_code == 201
+    assert upstream.total == 1
+
+
+async def test_forced_breaker_reaches_every_gateway_sharing_the_database(
+    gateway: AdminGateway, upstream: RecordingUpstream, payments: str, postgres_url: str
+) -> None:
+    config = payments_config(upstream.url, payments)
+    # Syncing faster than the default 2 s only makes the test quicker: what it shows is that
+    # the override travels through the database.
+    async with serve_with_admin(
+        config, database_url=postgres_url, override_sync_interval=0.2
+    ) as other:
+        forced = await gateway.admin.put(
+            f"/admin/breakers/{payments}", json={"state": "forced_open"}, headers=ADMIN
+        )
+        assert forced.status_code == 200
+
+        async def other_is_forced_open() -> bool:
+            return await breaker_state(other, payments) == "forced_open"
+
+        await eventually(other_is_forced_open, timeout=10.0, interval=0.1)
+        assert_problem(await charge(other), 503, ":circuit-open")
+        assert upstream.total == 0
+
+        normal = await gateway.admin.put(
+            f"/admin/breakers/{payments}", json={"state": "normal"}, headers=ADMIN
+        )
+        assert normal.status_code == 200
+
+        async def other_is_closed() -> bool:
+            return await breaker_state(other, payments) == "closed"
+
+        await eventually(other_is_closed, timeout=10.0, interval=0.1)
+        assert (await charge(other)).status_code == 201
+        assert upstream.total == 1
+
+
+async def test_breaker_commands_are_validated(gateway: AdminGateway, payments: str) -> None:
+    unknown = await gateway.admin.put(
+        f"/admin/breakers/{payments}-unknown", json={"state": "forced_open"}, headers=ADMIN
+    )
+    sideways = await gateway.admin.put(
+        f"/admin/breakers/{payments}", json={"state": "sideways"}, headers=ADMIN
+    )
+    automatic = await gateway.admin.put(
+        f"/admin/breakers/{payments}", json={"state": "open"}, headers=ADMIN
+    )
+    no_body = await gateway.admin.put(f"/admin/breakers/{payments}", headers=ADMIN)
+
+    assert_problem(unknown, 404, ":not-found")
+    for invalid in (sideways, automatic, no_body):
+        assert_problem(invalid, 422, ":invalid-admin-request")
+    assert "state" in sideways.json()["detail"]
+    assert await breaker_state(gateway, payments) == "closed"
+
+
+# ------------------------------------------------------------------ the real listener
+
+
+@pytest.mark.multiprocess
+async def test_served_gateway_keeps_admin_api_and_docs_on_the_admin_port(
+    tmp_path: Path, upstream: RecordingUpstream, payments: str, postgres_url: str
+) -> None:
+    config = payments_config(upstream.url, payments).model_dump(mode="json")
+    process = GatewayProcess(
+        write_config(tmp_path, config),
+        env={"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_ADMIN_TOKEN": TOKEN},
+        log_dir=tmp_path,
+    )
+    async with process, httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        schema = await client.get(process.admin_url + "/openapi.json")
+        docs = await client.get(process.admin_url + "/docs")
+        breakers = await client.get(process.admin_url + "/admin/breakers", headers=ADMIN)
+        refused = await client.get(process.admin_url + "/admin/breakers")
+        # On the proxy port the same path is just another request for the upstream.
+        proxied = await client.get(process.url + "/admin/breakers", headers=ADMIN)
+
+    assert schema.status_code == 200
+    assert ADMIN_PATHS.issubset(schema.json()["paths"])
+    assert docs.status_code == 200
+    assert docs.headers["content-type"].startswith("text/html")
+    assert "/openapi.json" in docs.text
+    assert breaker_named(breakers, payments)["state"] == "closed"
+    assert refused.status_code == 401
+    assert proxied.status_code == 201
+    assert [execution.path for execution in upstream.executions] == ["/admin/breakers"]

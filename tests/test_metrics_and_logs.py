@@ -1,0 +1,552 @@
+"""What operators watch: Prometheus metrics, structured logs and readiness (SPEC section 8).
+
+Proves that ``/metrics`` on the admin port counts known traffic exactly, summed over the
+workers of ``serve --workers 2`` whichever worker answers the scrape (each worker is made to
+serve part of the traffic by stopping the other one for a moment); that no path, key or
+credential ever becomes a label; that ``--log-format json`` writes one JSON line per request
+with its request id, route, upstream, outcome, attempts, status, duration and scope hash, and
+``--log-format text`` the same as ``key=value``, neither ever holding the credential, the key
+or the body; and that ``/readyz`` follows PostgreSQL down and back up (cut for one gateway by
+a TCP proxy, the shared server keeps running) while an unreachable Redis only degrades it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.idempotency.keys import scope_of
+from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
+from tests.support.gateway import gateway_config, route
+from tests.support.keyed import CHARGE, CHARGES, is_replay, send_keyed
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.upstream import KEY_HEADER
+
+pytestmark = pytest.mark.multiprocess
+
+ROUTE = "charges"
+WORKER_STARTED = re.compile(r"Started server process \[(\d+)\]")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def unique_upstream() -> str:
+    """Breaker overrides are shared by name through PostgreSQL: never reuse another test's."""
+    return f"payments-{uuid.uuid4().hex[:12]}"
+
+
+def charges_config(upstream_url: str, upstream_name: str) -> dict[str, Any]:
+    """Route ``charges`` (``/v1/charges``, key required, one attempt) and an open route ``/``."""
+    config = gateway_config(
+        upstream_url,
+        upstreams={upstream_name: {"url": upstream_url, "retry": {"max_attempts": 1}}},
+        routes=[
+            route(CHARGES, name=ROUTE, upstream=upstream_name, key="required"),
+            route("/", name="everything-else", upstream=upstream_name),
+        ],
+    )
+    return config.model_dump(mode="json")
+
+
+def metric_samples(scrape: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of a Prometheus text scrape, by name and label set."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(scrape)
+        for sample in family.samples
+    }
+
+
+def value_of(scrape: str, name: str, **labels: str) -> float | None:
+    """The sample ``name{labels}``; None when the scrape does not have it."""
+    return metric_samples(scrape).get((name, frozenset(labels.items())))
+
+
+async def scrape(client: httpx.AsyncClient, gateway: GatewayProcess) -> str:
+    response = await client.get(gateway.admin_url + "/metrics")
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+StartGateway = Callable[..., Awaitable[GatewayProcess]]
+
+
+@pytest.fixture
+async def start_gateway(tmp_path: Path) -> AsyncIterator[StartGateway]:
+    """``await start_gateway(config, env=..., extra_args=...)``: a ``serve`` process, stopped
+    at the end of the test (its log tail is printed when the test fails)."""
+    started: list[GatewayProcess] = []
+
+    async def start(
+        config: dict[str, Any], *, env: dict[str, str], extra_args: Sequence[str] = ()
+    ) -> GatewayProcess:
+        name = f"gateway-{len(started)}"
+        gateway = GatewayProcess(
+            write_config(tmp_path, config, name=f"{name}.yaml"),
+            env=env,
+            extra_args=extra_args,
+            log_dir=tmp_path,
+            name=name,
+        )
+        started.append(gateway)
+        await gateway.start()
+        return gateway
+
+    yield start
+    await asyncio.gather(*(gateway.stop() for gateway in started), return_exceptions=True)
+    for gateway in started:
+        print(f"--- {gateway.name} log tail ---\n{gateway.log_tail()}")
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with RecordingUpstream() as recording:
+        yield recording
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    """For absolute URLs. No keep-alive: every request is a new connection, accepted by
+    whichever worker of the gateway is free to accept it."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=15.0, limits=limits, trust_env=False) as http:
+        yield http
+
+
+async def charge(
+    client: httpx.AsyncClient, gateway: GatewayProcess, key: str, **options: Any
+) -> httpx.Response:
+    """``send_keyed`` (POST /v1/charges with the shared test credential) to ``gateway``."""
+    return await send_keyed(client, key, path=gateway.url + CHARGES, **options)
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+async def worker_pids(gateway: GatewayProcess, count: int) -> list[int]:
+    """The pids of ``count`` workers, once each has finished its startup."""
+
+    def started() -> list[int] | None:
+        log = gateway.log_text()
+        pids = [int(pid) for pid in WORKER_STARTED.findall(log)]
+        ready = log.count("Application startup complete")
+        return pids if len(pids) == count and ready == count else None
+
+    return await eventually(started, timeout=20.0, message=f"{count} workers started")
+
+
+@contextlib.contextmanager
+def only_worker(serving: int, workers: Sequence[int]) -> Iterator[None]:
+    """SIGSTOP every other worker: new connections on the shared sockets can only be
+    accepted by ``serving``. Kept short; uvicorn restarts a worker silent for 5 s."""
+    stopped = [pid for pid in workers if pid != serving]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+async def requests_counted(
+    client: httpx.AsyncClient, gateway: GatewayProcess, expected: dict[str, int]
+) -> None:
+    """Wait until ``requests_total`` of route ``charges`` shows ``expected`` (outcome: count).
+    A request is counted just after its last byte left, so a worker must not be stopped
+    before this holds for the requests it served."""
+
+    async def counted() -> dict[str, float] | None:
+        text = await scrape(client, gateway)
+        found = {
+            outcome: value_of(
+                text, "idempotency_gateway_requests_total", route=ROUTE, outcome=outcome
+            )
+            for outcome in expected
+        }
+        return found if found == expected else None
+
+    await eventually(counted, timeout=3.0, message=f"requests counted: {expected}")
+
+
+async def test_metrics_count_known_traffic_summed_over_two_workers(
+    tmp_path: Path,
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    payments = unique_upstream()
+    # Our own directory for the workers' metric files, to see who wrote samples.
+    metrics_directory = tmp_path / "metrics"
+    metrics_directory.mkdir()
+    gateway = await start_gateway(
+        charges_config(upstream.url, payments),
+        env={
+            "GATEWAY_DATABASE_URL": postgres_url,
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_directory),
+        },
+        extra_args=["--workers", "2"],
+    )
+    workers = await worker_pids(gateway, 2)
+    worker_a, worker_b = workers
+    keys = [unique(f"metrics-{n}") for n in range(7)]
+
+    async def send(key: str, **options: Any) -> httpx.Response:
+        return await charge(client, gateway, key, **options)
+
+    with only_worker(worker_a, workers):
+        for key in keys[0:3]:
+            assert (await send(key)).status_code == 201  # executed, cache miss
+        for _ in range(2):
+            assert is_replay(await send(keys[0]))  # replayed from A's cache: hit
+        await requests_counted(client, gateway, {"executed": 3, "replayed": 2})
+    with only_worker(worker_b, workers):
+        for key in keys[3:6]:
+            assert (await send(key)).status_code == 201  # executed, cache miss
+        assert is_replay(await send(keys[0]))  # B has no copy: miss, replayed from the store
+        assert is_replay(await send(keys[0]))  # now B has it: hit
+        mismatch = await send(keys[3], json={**CHARGE, "amount": 1})  # cache hit, other request
+        assert mismatch.status_code == 422
+
+        gated = asyncio.create_task(send(keys[6], behavior="gate=metrics"))
+        await upstream.wait_arrived("metrics")
+        conflict = await send(keys[6])  # miss (not finished), reserve finds it in flight
+        assert conflict.status_code == 409
+        upstream.release("metrics")
+        assert (await gated).status_code == 201
+
+        executed, replayed = 7, 4
+        await requests_counted(
+            client,
+            gateway,
+            {"executed": executed, "replayed": replayed, "mismatch": 1, "conflict_in_flight": 1},
+        )
+
+    # Whichever worker answers the scrape, it shows the sums over both.
+    for serving in workers:
+        with only_worker(serving, workers):
+            text = await scrape(client, gateway)
+        for outcome, count in [
+            ("executed", executed),
+            ("replayed", replayed),
+            ("mismatch", 1),
+            ("conflict_in_flight", 1),
+        ]:
+            labels = {"route": ROUTE, "outcome": outcome}
+            assert value_of(text, "idempotency_gateway_requests_total", **labels) == count
+            assert (
+                value_of(text, "idempotency_gateway_request_duration_seconds_count", **labels)
+                == count
+            )
+        # Every keyed request looked in its worker's cache once; each new key and each
+        # duplicate the cache could not answer reserved once.
+        assert value_of(text, "idempotency_gateway_cache_lookups_total", result="hit") == 4
+        assert value_of(text, "idempotency_gateway_cache_lookups_total", result="miss") == 9
+        assert (
+            value_of(text, "idempotency_gateway_store_latency_seconds_count", operation="reserve")
+            == 9
+        )
+        assert (
+            value_of(
+                text, "idempotency_gateway_upstream_attempts_total", upstream=payments, result="2xx"
+            )
+            == executed
+        )
+        assert value_of(text, "idempotency_gateway_breaker_state", upstream=payments) == 0
+    assert upstream.total == executed
+    # The pinning worked: each worker observed request durations of its own.
+    for pid in workers:
+        assert (metrics_directory / f"histogram_{pid}.db").exists(), pid
+
+
+async def test_metric_labels_never_hold_paths_keys_or_credentials(
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+) -> None:
+    payments = unique_upstream()
+    gateway = await start_gateway(
+        charges_config(upstream.url, payments),
+        env={"GATEWAY_DATABASE_URL": postgres_url},
+    )
+    marker = f"m{uuid.uuid4().hex[:10]}"
+    credential = {"Authorization": f"Bearer sk_{marker}"}
+    base = gateway.url
+
+    for n in range(15):
+        keyed = {**credential, KEY_HEADER: f"{marker}-key-{n}"}
+        answers = [
+            await client.post(f"{base}{CHARGES}/{marker}-{n}", json=CHARGE, headers=keyed),
+            await client.post(f"{base}/{marker}/{n}", json=CHARGE, headers=keyed),
+            await client.get(f"{base}/{marker}/{n}?q={marker}", headers=credential),
+            await client.post(
+                base + CHARGES, json=CHARGE, headers={**credential, KEY_HEADER: f"{marker} {n}"}
+            ),
+        ]
+        assert [answer.status_code for answer in answers] == [201, 201, 201, 400]
+    assert upstream.total == 45
+
+    async def all_counted() -> str | None:
+        text = await scrape(client, gateway)
+        counts = {
+            (route_name, outcome): value_of(
+                text, "idempotency_gateway_requests_total", route=route_name, outcome=outcome
+            )
+            for route_name, outcome in [
+                (ROUTE, "executed"),
+                (ROUTE, "rejected"),
+                ("everything-else", "executed"),
+                ("everything-else", "unprotected"),
+            ]
+        }
+        return text if set(counts.values()) == {15} else None
+
+    text = await eventually(all_counted, message="every request counted")
+
+    assert marker not in text
+    assert "sk_" not in text
+    assert {
+        value for _, labels in metric_samples(text) for label, value in labels if label == "route"
+    } <= {ROUTE, "everything-else", "-"}
+
+
+# ------------------------------------------------------------------------------ logging
+
+
+@pytest.fixture
+def secret() -> str:
+    return f"sk_live_{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Logged:
+    """What the access line of one request must say."""
+
+    outcome: str
+    route: str
+    status: int
+    attempts: int
+    proxied: bool  # the request reached the upstream, so the line names it
+    keyed: bool  # the request had a valid key, so the line carries the scope hash
+
+
+# One request of each kind, in the order ``logged_traffic`` sends them.
+EXPECTED_LINES = [
+    Logged("executed", ROUTE, 201, attempts=1, proxied=True, keyed=True),
+    Logged("replayed", ROUTE, 201, attempts=0, proxied=False, keyed=True),
+    Logged("mismatch", ROUTE, 422, attempts=0, proxied=False, keyed=True),
+    Logged("rejected", ROUTE, 400, attempts=0, proxied=False, keyed=False),
+    Logged("unprotected", "everything-else", 201, attempts=1, proxied=True, keyed=False),
+]
+
+
+@dataclass(frozen=True)
+class LoggedTraffic:
+    gateway: GatewayProcess
+    upstream_name: str
+    answers: list[httpx.Response]
+    marker: str
+    """In every body and key the gateway saw; it must never reach the log."""
+
+
+async def send_logged_traffic(
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+    secret: str,
+    log_format: str,
+) -> LoggedTraffic:
+    """A gateway logging in ``log_format`` and the requests of ``EXPECTED_LINES``, each with
+    the secret credential and a body (and key) holding a marker."""
+    upstream_name = unique_upstream()
+    gateway = await start_gateway(
+        charges_config(upstream.url, upstream_name),
+        env={"GATEWAY_DATABASE_URL": postgres_url},
+        extra_args=["--log-format", log_format],
+    )
+    marker = f"marker{uuid.uuid4().hex[:10]}"
+    body = {"card": f"{marker}-card-number", "amount": 1000}
+    keyed = {"Authorization": f"Bearer {secret}", KEY_HEADER: f"{marker}-key"}
+    unkeyed = {"Authorization": f"Bearer {secret}"}
+    answers = [
+        await client.post(gateway.url + CHARGES, json=body, headers=keyed),
+        await client.post(gateway.url + CHARGES, json=body, headers=keyed),
+        await client.post(gateway.url + CHARGES, json={**body, "amount": 1}, headers=keyed),
+        await client.post(gateway.url + CHARGES, json=body, headers=unkeyed),
+        await client.post(gateway.url + "/v1/refunds", json=body, headers=unkeyed),
+    ]
+    assert [answer.status_code for answer in answers] == [line.status for line in EXPECTED_LINES]
+    return LoggedTraffic(gateway, upstream_name, answers, marker)
+
+
+def scope_hash_of(secret: str) -> str:
+    return scope_of([(b"authorization", f"Bearer {secret}".encode())], (b"authorization",))
+
+
+def assert_no_secrets(traffic: LoggedTraffic, secret: str) -> None:
+    log = traffic.gateway.log_text()
+    assert secret not in log
+    assert traffic.marker not in log  # neither a body nor a key
+
+
+async def test_json_logs_have_one_line_per_request_and_no_secrets(
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+    secret: str,
+) -> None:
+    traffic = await send_logged_traffic(
+        upstream, start_gateway, client, postgres_url, secret, "json"
+    )
+
+    def access_lines() -> list[dict[str, Any]] | None:
+        # Every line is JSON: a line that is not fails the test here.
+        lines = [json.loads(line) for line in traffic.gateway.log_text().splitlines() if line]
+        requests = [line for line in lines if line["logger"] == "idempotency_gateway.access"]
+        return requests if len(requests) >= len(EXPECTED_LINES) else None
+
+    logged = await eventually(access_lines, message="an access line per request")
+
+    assert len(logged) == len(EXPECTED_LINES)
+    for line, answer, expected in zip(logged, traffic.answers, EXPECTED_LINES, strict=True):
+        request = line["request"]
+        assert (line["level"], line["message"]) == ("info", "request")
+        assert request["request_id"] == answer.headers["X-Request-Id"]
+        assert request["route"] == expected.route
+        assert request["outcome"] == expected.outcome
+        assert request["attempts"] == expected.attempts
+        assert request["status"] == expected.status
+        assert request["upstream"] == (traffic.upstream_name if expected.proxied else None)
+        assert request["scope_hash"] == (scope_hash_of(secret) if expected.keyed else None)
+        assert isinstance(request["duration_ms"], float)
+        assert request["duration_ms"] > 0
+    assert_no_secrets(traffic, secret)
+
+
+async def test_text_logs_write_key_value_lines_and_no_secrets(
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+    secret: str,
+) -> None:
+    traffic = await send_logged_traffic(
+        upstream, start_gateway, client, postgres_url, secret, "text"
+    )
+
+    def access_lines() -> list[str] | None:
+        lines = [
+            line
+            for line in traffic.gateway.log_text().splitlines()
+            if "idempotency_gateway.access: request " in line
+        ]
+        return lines if len(lines) >= len(EXPECTED_LINES) else None
+
+    logged = await eventually(access_lines, message="an access line per request")
+
+    assert len(logged) == len(EXPECTED_LINES)
+    for line, answer, expected in zip(logged, traffic.answers, EXPECTED_LINES, strict=True):
+        fields = dict(re.findall(r" (\w+)=(\S+)", line))
+        assert fields["request_id"] == answer.headers["X-Request-Id"]
+        assert fields["route"] == expected.route
+        assert fields["outcome"] == expected.outcome
+        assert fields["attempts"] == str(expected.attempts)
+        assert fields["status"] == str(expected.status)
+        assert fields.get("upstream") == (traffic.upstream_name if expected.proxied else None)
+        assert fields.get("scope_hash") == (scope_hash_of(secret) if expected.keyed else None)
+        assert float(fields["duration_ms"]) > 0
+    assert not any(line.startswith("{") for line in traffic.gateway.log_text().splitlines())
+    assert_no_secrets(traffic, secret)
+
+
+# ---------------------------------------------------------------------------- readiness
+
+
+async def readiness(client: httpx.AsyncClient, gateway: GatewayProcess) -> tuple[int, Any]:
+    response = await client.get(gateway.admin_url + "/readyz")
+    return response.status_code, response.json()
+
+
+async def test_readiness_follows_postgresql_down_and_up(
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    async with TcpProxy("127.0.0.1", 5432) as database:
+        gateway = await start_gateway(
+            charges_config(upstream.url, unique_upstream()),
+            env={"GATEWAY_DATABASE_URL": database.rewrite_url(postgres_url)},
+        )
+        assert await readiness(client, gateway) == (
+            200,
+            {"status": "ready", "store": "ok", "cache": "in-process"},
+        )
+        assert (await charge(client, gateway, unique("ready"))).status_code == 201
+
+        await database.cut()
+
+        status, body = await readiness(client, gateway)
+        assert (status, body["status"], body["store"]) == (503, "not ready", "down")
+        health = await client.get(gateway.admin_url + "/healthz")
+        assert health.status_code == 200
+        # While the store is down nothing keyed reaches the upstream (fail closed).
+        refused = await charge(client, gateway, unique("down"))
+        assert refused.status_code == 503
+        assert upstream.total == 1
+
+        await database.restore()
+
+        async def ready_again() -> bool:
+            return (await readiness(client, gateway))[0] == 200
+
+        await eventually(ready_again, message="/readyz recovers with PostgreSQL")
+        assert (await readiness(client, gateway))[1]["store"] == "ok"
+        assert (await charge(client, gateway, unique("ready-again"))).status_code == 201
+        assert upstream.total == 2
+
+
+async def test_unreachable_redis_degrades_readiness_without_failing_it(
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    gateway = await start_gateway(
+        charges_config(upstream.url, unique_upstream()),
+        env={
+            "GATEWAY_DATABASE_URL": postgres_url,
+            "GATEWAY_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+        },
+    )
+
+    assert await readiness(client, gateway) == (
+        200,
+        {"status": "ready", "store": "ok", "cache": "degraded"},
+    )
+    key = unique("no-redis")
+    assert (await charge(client, gateway, key)).status_code == 201
+    assert is_replay(await charge(client, gateway, key))
+    assert upstream.count(key) == 1
