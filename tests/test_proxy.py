@@ -290,3 +290,18 @@ async def test_put_whose_connection_resets_is_sent_exactly_once(
     assert response.status_code == 502
     assert response.json()["type"] == "urn:idempotency-gateway:problem:upstream-connection-lost"
     assert [e.method for e in upstream.executions] == ["GET", "PUT"]
+
+
+async def test_utf8_header_values_reach_the_upstream_byte_for_byte(
+    start_gateway: StartGateway, upstream: RecordingUpstream
+) -> None:
+    gateway = await start_gateway()
+    value = "Zoë, café ☕".encode()
+
+    response = await gateway.client.get(
+        "/echo", headers=[(b"X-Customer-Name", value), (b"X-Test-Behavior", b"echo-headers")]
+    )
+
+    assert response.status_code == 200
+    (execution,) = upstream.executions
+    assert execution.headers["x-customer-name"].encode("utf-8", "surrogateescape") == value

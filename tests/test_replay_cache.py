@@ -303,6 +303,11 @@ def entry_name(key: str) -> str:
     return cache_key(record_key(key))
 
 
+async def cached_after_answer(redis_client: redis.asyncio.Redis, key: str) -> None:
+    """The owner warms the cache just after its client has the answer: wait for that."""
+    await eventually(lambda: redis_client.exists(entry_name(key)), message=f"{key} cached")
+
+
 def assert_replay_of(replay: httpx.Response, original: httpx.Response) -> None:
     assert original.status_code == 201
     assert not is_replay(original)
@@ -325,6 +330,7 @@ async def test_finished_answer_is_cached_no_longer_than_its_record_lives(
     key = unique("ttl")
 
     original = await send_keyed(gateway.client, key)
+    await cached_after_answer(redis_client, key)
     record = await gateway.app.store.get(record_key(key))
     looked_at = datetime.now(UTC)
     ttl_ms = await redis_client.pttl(entry_name(key))
@@ -369,6 +375,7 @@ async def test_replay_from_postgres_backfills_a_missing_redis_entry(
 ) -> None:
     key = unique("backfill")
     original = await send_keyed(cached_gateway.client, key)
+    await cached_after_answer(redis_client, key)
     assert await redis_client.delete(entry_name(key)) == 1
 
     replay = await send_keyed(cached_gateway.client, key)
@@ -412,6 +419,7 @@ async def test_poisoned_redis_entry_falls_back_to_the_true_answer_and_is_repaire
 ) -> None:
     key = unique("poisoned")
     original = await send_keyed(cached_gateway.client, key)
+    await cached_after_answer(redis_client, key)
     true_entry = decode(await redis_client.get(entry_name(key)) or b"", record_key(key))
     assert true_entry is not None
     await poison(redis_client, key, true_entry)

@@ -174,9 +174,14 @@ class IdempotencyEngine:
             request_id_of(request.scope),
         )
         run = OwnerRun(self.store, record, lease=request.config.lease)
-        if not await self._finalize(request, run, Status.FAILED_FINAL, answer):
-            answer = self._not_of_record(request, run)
-        await send_stored(request.send, answer, replayed=False)
+        recorded = await self._record(request, run, Status.FAILED_FINAL, answer)
+        await send_stored(
+            request.send,
+            answer if recorded else self._not_of_record(request, run),
+            replayed=False,
+        )
+        # Waiters re-read the store whatever happened; waking them never delays this answer.
+        await self.wakeups.notify(request.key)
 
     async def _execute(self, request: KeyedRequest, record: Record) -> None:
         note_outcome(request.scope, "executed")
@@ -207,7 +212,8 @@ class IdempotencyEngine:
             execution.report(Outcome.AMBIGUOUS)
         status = classify(capture.status or 500, execution.outcome, request.config)
         answer = self._answer_to_store(request, capture, status)
-        if not await self._finalize(request, run, status, answer):
+        recorded = await self._record(request, run, status, answer)
+        if not recorded:
             # Fenced off, or the store is down: this answer is not the key's answer of record
             # (a newer owner's may be, or an "outcome unknown" later), so the client must not
             # take it as final. Its retry with the key gets the answer of record.
@@ -217,14 +223,17 @@ class IdempotencyEngine:
                 extra={"route": request.policy.name, "fencing_token": record.fencing_token},
             )
             await capture.withdraw(self._not_of_record(request, run))
-            return
-        if not capture.started:
+        elif not capture.started:
             # The app raised before answering: give the client what every retry will see.
             fallback = stored_problem(
                 OutcomeUnknown("the app failed"), request_id_of(request.scope)
             )
             await send_stored(capture.send, answer or fallback, replayed=False)
-        await capture.release()
+        if recorded:
+            await capture.release()
+        # Waiters re-read the store whatever happened (even a fenced finalize is news); waking
+        # them never delays this answer.
+        await self.wakeups.notify(request.key)
 
     @staticmethod
     def _answer_to_store(
@@ -256,12 +265,14 @@ class IdempotencyEngine:
             )
         return stored_problem(error, request_id_of(request.scope))
 
-    async def _finalize(
+    async def _record(
         self, request: KeyedRequest, run: OwnerRun, status: Status, answer: StoredResponse | None
     ) -> bool:
-        """True when the outcome was recorded: only then is ``answer`` the key's answer."""
-        written = await run.finalize(status, answer, attempts=self.finalize_attempts)
-        if written and answer is not None and status in REPLAYABLE:
+        """Finalize, then cache the recorded answer, both before the client has it: its
+        immediate retry then finds the answer, and an operator deleting the record right
+        after never races a late cache write. True when the outcome was recorded."""
+        recorded = await run.finalize(status, answer, attempts=self.finalize_attempts)
+        if recorded and answer is not None and status in REPLAYABLE:
             await self.cache.put(
                 CachedAnswer(
                     request.key,
@@ -271,6 +282,4 @@ class IdempotencyEngine:
                     run.record.expires_at.timestamp(),
                 )
             )
-        # Waiters re-read the store whatever happened: even a fenced finalize means news.
-        await self.wakeups.notify(request.key)
-        return written
+        return recorded

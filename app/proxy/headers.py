@@ -88,7 +88,16 @@ def upstream_request_headers(
     if host is not None:
         forwarded.append((b"x-forwarded-host", host))
     forwarded.append((b"x-request-timeout", f"{timeout_seconds:.3f}".encode()))
-    return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in forwarded]
+    return [(name.decode("latin-1"), _header_text(value)) for name, value in forwarded]
+
+
+def _header_text(value: bytes) -> str:
+    """aiohttp writes header values as UTF-8: decoding UTF-8 here forwards such bytes exactly
+    (the usual non-ASCII case); other bytes can only go on as their latin-1 reading."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
 
 
 # The gateway's server writes its own Date; two Date fields would confuse caches.

@@ -141,7 +141,8 @@ def render(result: SoakResult) -> str:
         f"per round. {len(result.rounds)} rounds, {report.seconds:.0f} s of load, "
         f"{requests} requests ({requests / max(report.seconds, 1):.0f}/s).",
         "",
-        f"**Result: {'no violations' if report.ok else f'{len(report.violations)} violations'}.**",
+        f"**Result: {len(report.violations) or 'no'} violation"
+        f"{'' if len(report.violations) == 1 else 's'}.**",
         "",
         "```",
         report.table(),
