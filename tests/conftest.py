@@ -20,6 +20,7 @@ import redis.asyncio
 from app.config import StoreConfig
 from app.idempotency.store import RecordStore
 from app.migrate import upgrade_to_head
+from tests.support import RecordingUpstream
 
 DEFAULT_TEST_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/idempotency_gateway_test"
 # Database 15 belongs to the tests alone. It is never flushed: test sessions may run side by
@@ -103,3 +104,10 @@ def unique() -> Callable[[str], str]:
 
     run = uuid.uuid4().hex[:12]
     return lambda name: f"{name}-{run}"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    """A fresh recording upstream per test: tests count its executions, so none is shared."""
+    async with RecordingUpstream() as running:
+        yield running

@@ -159,12 +159,6 @@ async def charge(gateway: AdminGateway) -> httpx.Response:
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as recording:
-        yield recording
-
-
-@pytest.fixture
 async def payments(postgres_url: str) -> AsyncIterator[str]:
     """An upstream name of this test's own; any override forced on it is removed at the end,
     so no other test's gateway ever sees it."""
@@ -593,27 +587,24 @@ async def test_forced_breaker_reaches_every_gateway_sharing_the_database(
     async with serve_with_admin(
         config, database_url=postgres_url, override_sync_interval=0.2
     ) as other:
-        forced = await gateway.admin.put(
-            f"/admin/breakers/{payments}", json={"state": "forced_open"}, headers=ADMIN
-        )
-        assert forced.status_code == 200
 
-        async def other_is_forced_open() -> bool:
-            return await breaker_state(other, payments) == "forced_open"
+        async def set_here_and_wait_until_other_reports(state: str, reported: str) -> None:
+            """PUT the override on ``gateway`` only; ``other`` learns it from the database."""
+            answer = await gateway.admin.put(
+                f"/admin/breakers/{payments}", json={"state": state}, headers=ADMIN
+            )
+            assert answer.status_code == 200
 
-        await eventually(other_is_forced_open, timeout=10.0, interval=0.1)
+            async def other_reports_it() -> bool:
+                return await breaker_state(other, payments) == reported
+
+            await eventually(other_reports_it, timeout=10.0, interval=0.1)
+
+        await set_here_and_wait_until_other_reports("forced_open", reported="forced_open")
         assert_problem(await charge(other), 503, ":circuit-open")
         assert upstream.total == 0
 
-        normal = await gateway.admin.put(
-            f"/admin/breakers/{payments}", json={"state": "normal"}, headers=ADMIN
-        )
-        assert normal.status_code == 200
-
-        async def other_is_closed() -> bool:
-            return await breaker_state(other, payments) == "closed"
-
-        await eventually(other_is_closed, timeout=10.0, interval=0.1)
+        await set_here_and_wait_until_other_reports("normal", reported="closed")
         assert (await charge(other)).status_code == 201
         assert upstream.total == 1
 

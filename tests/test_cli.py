@@ -83,12 +83,7 @@ class UpstreamOnlyGateway(GatewayProcess):
             "serve",
             "--upstream",
             self.upstream_url,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--admin-port",
-            str(self.admin_port),
+            *self.listen_args,
         ]
 
 

@@ -77,12 +77,6 @@ def test_idempotency_key_is_never_empty_and_always_a_valid_header_value() -> Non
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as running:
-        yield running
-
-
-@pytest.fixture
 async def gateway(upstream: RecordingUpstream, postgres_url: str) -> AsyncIterator[RunningGateway]:
     """Key optional on ``/``; no retries inside the gateway."""
     config = gateway_config(
@@ -143,6 +137,23 @@ def keys_sent(sent: list[httpx.Request]) -> list[str | None]:
     return [request.headers.get("Idempotency-Key") for request in sent]
 
 
+async def charge_past_the_helper(
+    gateway: RunningGateway, key: str, *, behavior: str | None = None
+) -> httpx.Response:
+    """A keyed charge sent straight to the gateway, as another client would: it sets up the
+    record the helper then meets, and is not counted in ``sent``."""
+    headers = {"Idempotency-Key": key}
+    if behavior is not None:
+        headers["X-Test-Behavior"] = behavior
+    return await gateway.client.post(CHARGES, json=CHARGE, headers=headers)
+
+
+def assert_sent_once_without_a_pause(sent: list[httpx.Request], fake_time: FakeTime) -> None:
+    """The client's answer is final after one request: it neither retried nor slept."""
+    assert len(sent) == 1
+    assert fake_time.sleeps == []
+
+
 async def test_in_flight_409_is_waited_out_until_the_answer_is_replayed(
     make_client: MakeClient,
     gateway: RunningGateway,
@@ -152,11 +163,7 @@ async def test_in_flight_409_is_waited_out_until_the_answer_is_replayed(
     unique: Callable[[str], str],
 ) -> None:
     key = unique("held")
-    first = asyncio.create_task(
-        gateway.client.post(
-            CHARGES, json=CHARGE, headers={"Idempotency-Key": key, "X-Test-Behavior": "gate=held"}
-        )
-    )
+    first = asyncio.create_task(charge_past_the_helper(gateway, key, behavior="gate=held"))
     await upstream.wait_arrived("held")
 
     async def first_request_finishes(_pause: float) -> None:
@@ -189,15 +196,12 @@ async def test_key_reused_with_a_different_request_is_422_at_once(
     unique: Callable[[str], str],
 ) -> None:
     key = unique("reused")
-    assert (
-        await gateway.client.post(CHARGES, json=CHARGE, headers={"Idempotency-Key": key})
-    ).is_success
+    assert (await charge_past_the_helper(gateway, key)).is_success
 
     response = await make_client().post(CHARGES, key=key, json={**CHARGE, "amount": 1})
 
     assert response.status_code == 422
-    assert len(sent) == 1
-    assert fake_time.sleeps == []
+    assert_sent_once_without_a_pause(sent, fake_time)
     assert upstream.count(key) == 1
 
 
@@ -210,8 +214,7 @@ async def test_malformed_key_is_400_at_once(
     response = await make_client().post(CHARGES, key="has space", json=CHARGE)
 
     assert response.status_code == 400
-    assert len(sent) == 1
-    assert fake_time.sleeps == []
+    assert_sent_once_without_a_pause(sent, fake_time)
     assert upstream.total == 0
 
 
@@ -224,9 +227,7 @@ async def test_a_replayed_answer_is_final_even_with_a_retryable_status(
     unique: Callable[[str], str],
 ) -> None:
     key = unique("replayed-500")
-    stored = await gateway.client.post(
-        CHARGES, json=CHARGE, headers={"Idempotency-Key": key, "X-Test-Behavior": "status=500"}
-    )
+    stored = await charge_past_the_helper(gateway, key, behavior="status=500")
     assert stored.status_code == 500
 
     response = await make_client().post(CHARGES, key=key, json=CHARGE)
@@ -234,8 +235,7 @@ async def test_a_replayed_answer_is_final_even_with_a_retryable_status(
     # The gateway will replay this 500 forever: retrying only adds load and delay.
     assert response.status_code == 500
     assert response.headers["idempotent-replayed"] == "true"
-    assert len(sent) == 1
-    assert fake_time.sleeps == []
+    assert_sent_once_without_a_pause(sent, fake_time)
     assert upstream.count(key) == 1
 
 
@@ -312,8 +312,7 @@ async def test_unkeyed_post_answered_503_is_not_retried(
     )
 
     assert response.status_code == 503
-    assert len(sent) == 1
-    assert fake_time.sleeps == []
+    assert_sent_once_without_a_pause(sent, fake_time)
     assert upstream.total == 1
 
 
@@ -329,8 +328,7 @@ async def test_unkeyed_post_whose_answer_timed_out_is_not_retried(
         await client.request("POST", CHARGES, json=CHARGE, headers={"X-Test-Behavior": "gate=slow"})
 
     upstream.release("slow")  # lets the gateway finish before it shuts down
-    assert len(sent) == 1
-    assert fake_time.sleeps == []
+    assert_sent_once_without_a_pause(sent, fake_time)
     assert upstream.total == 1
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
@@ -35,12 +36,6 @@ PROBLEM_TYPE_PREFIX = "urn:idempotency-gateway:problem:"
 
 class StartGateway(Protocol):
     def __call__(self, database_url: str, **overrides: Any) -> Awaitable[RunningGateway]: ...
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as running:
-        yield running
 
 
 # These tests are about the record, so the gateway makes one attempt per request: a retry is
@@ -500,32 +495,61 @@ AMBIGUOUS_FAILURES = [
 ]
 
 
-@pytest.mark.parametrize(("behavior", "status", "slug"), AMBIGUOUS_FAILURES)
-async def test_ambiguous_failure_under_fail_is_final_and_replayed(
+@dataclass(frozen=True)
+class AmbiguousFailure:
+    """A first request whose upstream execution may or may not have happened."""
+
+    gateway: RunningGateway
+    key: str
+    first: httpx.Response
+    stored_status: Status
+
+
+class FailAmbiguously(Protocol):
+    def __call__(self, *, on_ambiguous: str, behavior: str) -> Awaitable[AmbiguousFailure]: ...
+
+
+@pytest.fixture
+def fail_ambiguously(
     start_gateway: StartGateway,
-    upstream: RecordingUpstream,
     store: RecordStore,
     database_url: str,
     unique: Callable[[str], str],
+) -> FailAmbiguously:
+    """``await fail_ambiguously(on_ambiguous=..., behavior=...)``: start a gateway whose route
+    has that ``on_ambiguous`` policy, send one new key with the upstream ``behavior`` (``hang``
+    past per_try, or ``reset`` after reading the body) and return its answer and stored status."""
+
+    async def fail(*, on_ambiguous: str, behavior: str) -> AmbiguousFailure:
+        gateway = await start_gateway(
+            database_url,
+            routes=[route("/", key="required", on_ambiguous=on_ambiguous)],
+            timeouts={"per_try": "500ms", "total": "5s"},
+        )
+        key = unique(f"ambiguous-{on_ambiguous}-{behavior}")
+        first = await post_charge(gateway, key, behavior=behavior)
+        record = await store.get(charge_record(key))
+        assert record is not None
+        return AmbiguousFailure(gateway, key, first, record.status)
+
+    return fail
+
+
+@pytest.mark.parametrize(("behavior", "status", "slug"), AMBIGUOUS_FAILURES)
+async def test_ambiguous_failure_under_fail_is_final_and_replayed(
+    fail_ambiguously: FailAmbiguously,
+    upstream: RecordingUpstream,
     behavior: str,
     status: int,
     slug: str,
 ) -> None:
-    gateway = await start_gateway(
-        database_url,
-        routes=[route("/", key="required", on_ambiguous="fail")],
-        timeouts={"per_try": "500ms", "total": "5s"},
-    )
-    key = unique(f"ambiguous-fail-{behavior}")
-
-    first = await post_charge(gateway, key, behavior=behavior)
+    failure = await fail_ambiguously(on_ambiguous="fail", behavior=behavior)
+    first, key = failure.first, failure.key
 
     assert_problem(first, status, slug=slug, retryable=False)
-    record = await store.get(charge_record(key))
-    assert record is not None
-    assert record.status is Status.FAILED_FINAL
+    assert failure.stored_status is Status.FAILED_FINAL
     # The retry (this time the upstream would answer) must not risk a second execution.
-    retry = await post_charge(gateway, key)
+    retry = await post_charge(failure.gateway, key)
     assert retry.status_code == status
     assert retry.content == first.content
     assert retry.headers["idempotent-replayed"] == "true"
@@ -535,30 +559,19 @@ async def test_ambiguous_failure_under_fail_is_final_and_replayed(
 
 @pytest.mark.parametrize(("behavior", "status", "slug"), AMBIGUOUS_FAILURES)
 async def test_ambiguous_failure_under_retry_executes_again_with_the_next_token(
-    start_gateway: StartGateway,
+    fail_ambiguously: FailAmbiguously,
     upstream: RecordingUpstream,
-    store: RecordStore,
-    database_url: str,
-    unique: Callable[[str], str],
     behavior: str,
     status: int,
     slug: str,
 ) -> None:
-    gateway = await start_gateway(
-        database_url,
-        routes=[route("/", key="required", on_ambiguous="retry")],
-        timeouts={"per_try": "500ms", "total": "5s"},
-    )
-    key = unique(f"ambiguous-retry-{behavior}")
-
-    first = await post_charge(gateway, key, behavior=behavior)
+    failure = await fail_ambiguously(on_ambiguous="retry", behavior=behavior)
+    key = failure.key
 
     # The problem tells the client the truth: a retry with this key will execute.
-    assert_problem(first, status, slug=slug, retryable=True)
-    record = await store.get(charge_record(key))
-    assert record is not None
-    assert record.status is Status.FAILED_RETRYABLE
-    retry = await post_charge(gateway, key)
+    assert_problem(failure.first, status, slug=slug, retryable=True)
+    assert failure.stored_status is Status.FAILED_RETRYABLE
+    retry = await post_charge(failure.gateway, key)
     assert retry.status_code == 201
     assert "idempotent-replayed" not in retry.headers
     assert upstream.count(key) == 2

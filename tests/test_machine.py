@@ -112,14 +112,15 @@ def test_status_decides_the_state_whatever_the_ambiguity_policy(
     assert classify(status, None, config) is expected
 
 
+# What an ambiguous result leaves behind under each ``on_ambiguous`` policy.
+STATE_AFTER_AMBIGUITY = [
+    pytest.param(FAIL, Status.FAILED_FINAL, id="on-ambiguous-fail"),
+    pytest.param(RETRY, Status.FAILED_RETRYABLE, id="on-ambiguous-retry"),
+]
+
+
 @pytest.mark.parametrize("status", [502, 504])
-@pytest.mark.parametrize(
-    ("config", "expected"),
-    [
-        pytest.param(FAIL, Status.FAILED_FINAL, id="on-ambiguous-fail"),
-        pytest.param(RETRY, Status.FAILED_RETRYABLE, id="on-ambiguous-retry"),
-    ],
-)
+@pytest.mark.parametrize(("config", "expected"), STATE_AFTER_AMBIGUITY)
 def test_ambiguous_status_follows_on_ambiguous(
     status: int, config: IdempotencyConfig, expected: Status
 ) -> None:
@@ -133,13 +134,7 @@ def test_not_executed_outcome_overrides_the_status(config: IdempotencyConfig, st
 
 
 @pytest.mark.parametrize("status", [200, 201, 429, 503])
-@pytest.mark.parametrize(
-    ("config", "expected"),
-    [
-        pytest.param(FAIL, Status.FAILED_FINAL, id="on-ambiguous-fail"),
-        pytest.param(RETRY, Status.FAILED_RETRYABLE, id="on-ambiguous-retry"),
-    ],
-)
+@pytest.mark.parametrize(("config", "expected"), STATE_AFTER_AMBIGUITY)
 def test_ambiguous_outcome_overrides_the_status(
     status: int, config: IdempotencyConfig, expected: Status
 ) -> None:

@@ -113,12 +113,6 @@ async def start_gateway(tmp_path: Path) -> AsyncIterator[StartGateway]:
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as recording:
-        yield recording
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     """For absolute URLs. No keep-alive: every request is a new connection, accepted by
     whichever worker of the gateway is free to accept it."""
@@ -367,35 +361,44 @@ class LoggedTraffic:
     """In every body and key the gateway saw; it must never reach the log."""
 
 
-async def send_logged_traffic(
+SendLoggedTraffic = Callable[[str], Awaitable[LoggedTraffic]]
+
+
+@pytest.fixture
+def send_logged_traffic(
     upstream: RecordingUpstream,
     start_gateway: StartGateway,
     client: httpx.AsyncClient,
     postgres_url: str,
     secret: str,
-    log_format: str,
-) -> LoggedTraffic:
-    """A gateway logging in ``log_format`` and the requests of ``EXPECTED_LINES``, each with
-    the secret credential and a body (and key) holding a marker."""
-    upstream_name = unique_upstream()
-    gateway = await start_gateway(
-        charges_config(upstream.url, upstream_name),
-        env={"GATEWAY_DATABASE_URL": postgres_url},
-        extra_args=["--log-format", log_format],
-    )
-    marker = f"marker{uuid.uuid4().hex[:10]}"
-    body = {"card": f"{marker}-card-number", "amount": 1000}
-    keyed = {"Authorization": f"Bearer {secret}", KEY_HEADER: f"{marker}-key"}
-    unkeyed = {"Authorization": f"Bearer {secret}"}
-    answers = [
-        await client.post(gateway.url + CHARGES, json=body, headers=keyed),
-        await client.post(gateway.url + CHARGES, json=body, headers=keyed),
-        await client.post(gateway.url + CHARGES, json={**body, "amount": 1}, headers=keyed),
-        await client.post(gateway.url + CHARGES, json=body, headers=unkeyed),
-        await client.post(gateway.url + "/v1/refunds", json=body, headers=unkeyed),
-    ]
-    assert [answer.status_code for answer in answers] == [line.status for line in EXPECTED_LINES]
-    return LoggedTraffic(gateway, upstream_name, answers, marker)
+) -> SendLoggedTraffic:
+    """``await send_logged_traffic(log_format)``: a gateway logging in ``log_format`` and the
+    requests of ``EXPECTED_LINES``, each with the secret credential and a body (and key)
+    holding a marker."""
+
+    async def send(log_format: str) -> LoggedTraffic:
+        upstream_name = unique_upstream()
+        gateway = await start_gateway(
+            charges_config(upstream.url, upstream_name),
+            env={"GATEWAY_DATABASE_URL": postgres_url},
+            extra_args=["--log-format", log_format],
+        )
+        marker = f"marker{uuid.uuid4().hex[:10]}"
+        body = {"card": f"{marker}-card-number", "amount": 1000}
+        keyed = {"Authorization": f"Bearer {secret}", KEY_HEADER: f"{marker}-key"}
+        unkeyed = {"Authorization": f"Bearer {secret}"}
+        answers = [
+            await client.post(gateway.url + CHARGES, json=body, headers=keyed),
+            await client.post(gateway.url + CHARGES, json=body, headers=keyed),
+            await client.post(gateway.url + CHARGES, json={**body, "amount": 1}, headers=keyed),
+            await client.post(gateway.url + CHARGES, json=body, headers=unkeyed),
+            await client.post(gateway.url + "/v1/refunds", json=body, headers=unkeyed),
+        ]
+        expected_statuses = [line.status for line in EXPECTED_LINES]
+        assert [answer.status_code for answer in answers] == expected_statuses
+        return LoggedTraffic(gateway, upstream_name, answers, marker)
+
+    return send
 
 
 def scope_hash_of(secret: str) -> str:
@@ -409,15 +412,9 @@ def assert_no_secrets(traffic: LoggedTraffic, secret: str) -> None:
 
 
 async def test_json_logs_have_one_line_per_request_and_no_secrets(
-    upstream: RecordingUpstream,
-    start_gateway: StartGateway,
-    client: httpx.AsyncClient,
-    postgres_url: str,
-    secret: str,
+    send_logged_traffic: SendLoggedTraffic, secret: str
 ) -> None:
-    traffic = await send_logged_traffic(
-        upstream, start_gateway, client, postgres_url, secret, "json"
-    )
+    traffic = await send_logged_traffic("json")
 
     def access_lines() -> list[dict[str, Any]] | None:
         # Every line is JSON: a line that is not fails the test here.
@@ -444,15 +441,9 @@ async def test_json_logs_have_one_line_per_request_and_no_secrets(
 
 
 async def test_text_logs_write_key_value_lines_and_no_secrets(
-    upstream: RecordingUpstream,
-    start_gateway: StartGateway,
-    client: httpx.AsyncClient,
-    postgres_url: str,
-    secret: str,
+    send_logged_traffic: SendLoggedTraffic, secret: str
 ) -> None:
-    traffic = await send_logged_traffic(
-        upstream, start_gateway, client, postgres_url, secret, "text"
-    )
+    traffic = await send_logged_traffic("text")
 
     def access_lines() -> list[str] | None:
         lines = [

@@ -67,12 +67,6 @@ def keyed(key: str, behavior: str | None = None) -> dict[str, str]:
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as recording:
-        yield recording
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=30.0) as http:
         yield http
@@ -236,8 +230,14 @@ async def test_same_key_storm_on_two_workers_of_one_process_executes_once(
 
     await assert_replays(client, [gateway.url], key, stored)
     assert upstream.count(key) == 1
-    # Two worker processes really ran (uvicorn logs one line per worker process).
-    assert gateway.log_text().count("Started server process") >= 2, gateway.log_tail()
+    # Two worker processes really ran (uvicorn logs one line per worker process). The parent
+    # accepts on the shared socket before both workers have finished starting, so a busy
+    # machine may still be starting the second one: wait for its line, bounded.
+    await eventually(
+        lambda: gateway.log_text().count("Started server process") >= 2,
+        timeout=20.0,
+        message="both workers of the gateway started",
+    )
 
 
 @contextlib.asynccontextmanager
@@ -265,6 +265,20 @@ async def stalled_owner(
         await asyncio.gather(request, return_exceptions=True)
 
 
+async def assert_owner_was_fenced(
+    owner_request: asyncio.Task[httpx.Response], owner: GatewayProcess
+) -> None:
+    """The resumed owner lost its finalize to the takeover's fencing token: rather than
+    deliver an answer that is not the record's, it cuts its client's answer short, and it
+    logs the fenced finalize."""
+    with pytest.raises(httpx.RemoteProtocolError):
+        await owner_request
+    await eventually(
+        lambda: "fenced finalize" in owner.log_text(),
+        message="the stalled owner logs its fenced finalize",
+    )
+
+
 async def test_stalled_owner_is_fenced_when_retry_policy_executes_again(
     start_gateways: StartGateways,
     upstream: RecordingUpstream,
@@ -284,12 +298,7 @@ async def test_stalled_owner_is_fenced_when_retry_policy_executes_again(
 
     # The stalled owner's write is fenced off: the record keeps the takeover's answer, so
     # the owner cuts its own client's answer (execution 1) short instead of completing it...
-    with pytest.raises(httpx.RemoteProtocolError):
-        await owner_request
-    await eventually(
-        lambda: "fenced finalize" in gateway_a.log_text(),
-        message="gateway A logs its fenced finalize",
-    )
+    await assert_owner_was_fenced(owner_request, gateway_a)
     # ...and that client's retry, like every other, gets the answer of record.
     await assert_replays(client, [gateway_a.url, gateway_b.url], key, taken_over)
     assert upstream.count(key) == 2
@@ -313,12 +322,7 @@ async def test_stalled_owner_is_fenced_when_fail_policy_stores_outcome_unknown(
         await assert_replays(client, [gateway_b.url], key, taken_over)
 
     # Execution 1's answer is not the record's: its client gets it cut short, never whole.
-    with pytest.raises(httpx.RemoteProtocolError):
-        await owner_request
-    await eventually(
-        lambda: "fenced finalize" in gateway_a.log_text(),
-        message="gateway A logs its fenced finalize",
-    )
+    await assert_owner_was_fenced(owner_request, gateway_a)
     await assert_replays(client, [gateway_a.url, gateway_b.url], key, taken_over)
     assert upstream.count(key) == 1
 

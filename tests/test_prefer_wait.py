@@ -74,12 +74,6 @@ class StartGateway(Protocol):
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as running:
-        yield running
-
-
-@pytest.fixture
 async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGateway]:
     """``await start_gateway(database_url, **config sections)``: in-process wake-ups."""
     async with GatewayLauncher() as launcher:

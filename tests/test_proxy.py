@@ -28,12 +28,6 @@ class StartGateway(Protocol):
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as running:
-        yield running
-
-
-@pytest.fixture
 async def start_gateway(
     upstream: RecordingUpstream, postgres_url: str
 ) -> AsyncIterator[StartGateway]:

@@ -49,12 +49,6 @@ FAST_RETRY = {"base": "1ms", "cap": "1ms"}
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as running:
-        yield running
-
-
-@pytest.fixture
 def retry_log(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
     """The retry loop's log messages so far: each says why it did or did not retry."""
     caplog.set_level(logging.INFO, logger=RETRY_LOGGER)
@@ -130,6 +124,24 @@ def charge_request(upstream: RecordingUpstream, behavior: str, key: str = "k1") 
     return make
 
 
+def open_keyed_charge(
+    resilient: ResilientUpstream,
+    upstream: RecordingUpstream,
+    fake_time: FakeTime,
+    behavior: str,
+    *,
+    key: str = "k1",
+    seconds_left: float = 10.0,
+) -> Awaitable[UpstreamResponse]:
+    """``resilient.open`` a keyed charge scripted by ``behavior``, with ``seconds_left`` on the
+    deadline (ten seconds: more than any retry loop here needs, unless a test says otherwise)."""
+    return resilient.open(
+        charge_request(upstream, behavior, key),
+        deadline=deadline(fake_time, seconds_left),
+        plan=KEYED,
+    )
+
+
 async def status_of(answer: Awaitable[UpstreamResponse]) -> int:
     response = await answer
     response.release()
@@ -142,11 +154,7 @@ async def test_retry_after_sets_the_pause_between_attempts(
     resilient = await make_resilient(retry={"max_attempts": 3})
 
     status = await status_of(
-        resilient.open(
-            charge_request(upstream, "status=503,retry-after=3"),
-            deadline=deadline(fake_time, 10.0),
-            plan=KEYED,
-        )
+        open_keyed_charge(resilient, upstream, fake_time, "status=503,retry-after=3")
     )
 
     assert status == 503
@@ -163,11 +171,7 @@ async def test_retry_after_past_the_deadline_ends_the_loop(
     resilient = await make_resilient(retry={"max_attempts": 3})
 
     status = await status_of(
-        resilient.open(
-            charge_request(upstream, "status=503,retry-after=20"),
-            deadline=deadline(fake_time, 10.0),
-            plan=KEYED,
-        )
+        open_keyed_charge(resilient, upstream, fake_time, "status=503,retry-after=20")
     )
 
     assert status == 503
@@ -181,11 +185,7 @@ async def test_pauses_are_full_jitter_growing_to_the_cap(
 ) -> None:
     resilient = await make_resilient(retry={"max_attempts": 4, "base": "100ms", "cap": "250ms"})
 
-    await status_of(
-        resilient.open(
-            charge_request(upstream, "status=503"), deadline=deadline(fake_time, 10.0), plan=KEYED
-        )
-    )
+    await status_of(open_keyed_charge(resilient, upstream, fake_time, "status=503"))
 
     assert upstream.count("k1") == 4
     assert fake_time.jitter_bounds == [(0.0, 0.1), (0.0, 0.2), (0.0, 0.25)]
@@ -198,9 +198,7 @@ async def test_a_deadline_with_no_time_left_sends_nothing(
     resilient = await make_resilient()
 
     with pytest.raises(DeadlineExhausted):
-        await resilient.open(
-            charge_request(upstream, "status=201"), deadline=deadline(fake_time, 0.001), plan=KEYED
-        )
+        await open_keyed_charge(resilient, upstream, fake_time, "status=201", seconds_left=0.001)
 
     assert upstream.total == 0
 
@@ -213,9 +211,7 @@ async def test_an_open_breaker_stops_the_retry_loop_at_once(
     )
 
     with pytest.raises(CircuitOpen):
-        await resilient.open(
-            charge_request(upstream, "status=503"), deadline=deadline(fake_time, 10.0), plan=KEYED
-        )
+        await open_keyed_charge(resilient, upstream, fake_time, "status=503")
 
     # The second 503 opened the breaker: attempt 3 asked it and was refused.
     assert upstream.count("k1") == 2
@@ -232,11 +228,7 @@ async def test_an_empty_retry_budget_means_no_retry(
         retry={"max_attempts": 3, "budget": {"ratio": 0, "min_per_second": 0}}
     )
 
-    status = await status_of(
-        resilient.open(
-            charge_request(upstream, "status=503"), deadline=deadline(fake_time, 10.0), plan=KEYED
-        )
-    )
+    status = await status_of(open_keyed_charge(resilient, upstream, fake_time, "status=503"))
 
     assert status == 503
     assert upstream.count("k1") == 1
@@ -253,11 +245,7 @@ async def test_half_open_breaker_lets_only_half_open_calls_concurrent_probes_thr
     )
     for key in ("fail-1", "fail-2"):
         status = await status_of(
-            resilient.open(
-                charge_request(upstream, "status=500", key),
-                deadline=deadline(fake_time, 10.0),
-                plan=KEYED,
-            )
+            open_keyed_charge(resilient, upstream, fake_time, "status=500", key=key)
         )
         assert status == 500
     assert resilient.breaker.state is BreakerState.OPEN
@@ -266,11 +254,7 @@ async def test_half_open_breaker_lets_only_half_open_calls_concurrent_probes_thr
     attempts = [
         asyncio.create_task(
             status_of(
-                resilient.open(
-                    charge_request(upstream, "gate=probes", f"probe-{n}"),
-                    deadline=deadline(fake_time, 10.0),
-                    plan=KEYED,
-                )
+                open_keyed_charge(resilient, upstream, fake_time, "gate=probes", key=f"probe-{n}")
             )
         )
         for n in range(6)
@@ -489,6 +473,10 @@ async def test_unkeyed_post_to_a_refused_port_is_retried_because_it_never_left(
     assert f"after UpstreamNotSent (3 attempts): {MAX_ATTEMPTS}" in final
 
 
+# Too short for a 1-second Retry-After pause, long enough for an immediate second attempt.
+HALF_SECOND_BUDGET = {"per_try": "500ms", "total": "500ms"}
+
+
 async def test_429_whose_retry_after_passes_the_deadline_is_answered_at_once(
     start_gateway: StartGateway,
     upstream: RecordingUpstream,
@@ -497,9 +485,7 @@ async def test_429_whose_retry_after_passes_the_deadline_is_answered_at_once(
     unique: Callable[[str], str],
     retry_log: Callable[[], list[str]],
 ) -> None:
-    gateway = await start_gateway(
-        database_url=database_url, timeouts={"per_try": "500ms", "total": "500ms"}
-    )
+    gateway = await start_gateway(database_url=database_url, timeouts=HALF_SECOND_BUDGET)
     key = unique("429-late")
 
     response = await send(gateway, key=key, behavior="status=429,retry-after=1")
@@ -518,9 +504,7 @@ async def test_429_with_retry_after_0_is_retried_at_once(
     unique: Callable[[str], str],
     retry_log: Callable[[], list[str]],
 ) -> None:
-    gateway = await start_gateway(
-        database_url=postgres_url, timeouts={"per_try": "500ms", "total": "500ms"}
-    )
+    gateway = await start_gateway(database_url=postgres_url, timeouts=HALF_SECOND_BUDGET)
     key = unique("429-now")
 
     response = await send(gateway, key=key, behavior="status-first=429,retry-after=0")

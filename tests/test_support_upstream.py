@@ -29,12 +29,6 @@ Message = dict[str, Any]
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    async with RecordingUpstream() as running:
-        yield running
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=10.0) as http:
         yield http

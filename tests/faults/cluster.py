@@ -31,6 +31,7 @@ from typing import Any, Self
 import redis.asyncio
 
 from tests.support import GatewayProcess, eventually, free_port, write_config
+from tests.support.lifecycle import StartedInContext
 from tests.support.servers import LOOPBACK, PROJECT_ROOT
 
 POSTGRES_ROOT = Path("/usr/lib/postgresql")
@@ -165,7 +166,7 @@ class PrivatePostgres:
         await self.destroy()
 
 
-class PrivateRedis:
+class PrivateRedis(StartedInContext):
     """A ``redis-server`` child process on a free loopback port, without persistence."""
 
     def __init__(self) -> None:
@@ -217,16 +218,8 @@ class PrivateRedis:
             self._process.kill()
             await self._process.wait()
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def close(self) -> None:
+        """Leaving ``async with`` just kills it: it holds nothing worth a clean shutdown."""
         await self.kill()
 
 

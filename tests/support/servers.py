@@ -10,11 +10,12 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, Literal, Self
+from typing import IO, Any, Literal
 
 import uvicorn
 import yaml
+
+from tests.support.lifecycle import StartedInContext
 
 LOOPBACK = "127.0.0.1"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +119,7 @@ async def serve_asgi(
 # ----------------------------------------------------------------------- gateway process
 
 
-class GatewayProcess:
+class GatewayProcess(StartedInContext):
     """The real gateway CLI in a subprocess, listening on ``127.0.0.1:<free port>``.
 
     Runs ``python -m app.cli serve --config CONFIG --host 127.0.0.1 --port PORT *extra_args``
@@ -168,18 +169,18 @@ class GatewayProcess:
         return f"http://{self.host}:{self.admin_port}"
 
     @property
+    def listen_args(self) -> list[str]:
+        """Where ``serve`` listens: the host, port and admin port this object chose."""
+        return ["--host", self.host, "--port", str(self.port), "--admin-port", str(self.admin_port)]
+
+    @property
     def argv(self) -> list[str]:
         return [
             *self.command,
             "serve",
             "--config",
             str(self.config_path),
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--admin-port",
-            str(self.admin_port),
+            *self.listen_args,
             *self.extra_args,
         ]
 
@@ -330,14 +331,6 @@ class GatewayProcess:
         if log is not None:
             log.close()
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def close(self) -> None:
+        """Leaving ``async with``: a graceful ``stop()`` (SIGTERM, then SIGKILL if it hangs)."""
         await self.stop()

@@ -17,10 +17,11 @@ import asyncio
 import contextlib
 import socket
 import struct
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from sqlalchemy.engine import make_url
+
+from tests.support.lifecycle import StartedInContext
 
 LOOPBACK = "127.0.0.1"
 _CHUNK = 65536
@@ -35,7 +36,7 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-class TcpProxy:
+class TcpProxy(StartedInContext):
     def __init__(self, target_host: str, target_port: int, *, host: str = LOOPBACK) -> None:
         self.target_host = target_host
         self.target_port = target_port
@@ -139,15 +140,3 @@ class TcpProxy:
         except (OSError, RuntimeError):
             _reset(writer)
             _reset(other)
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()

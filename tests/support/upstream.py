@@ -35,10 +35,11 @@ import socket
 import struct
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from aiohttp import web
+
+from tests.support.lifecycle import StartedInContext
 
 BEHAVIOR_HEADER = "X-Test-Behavior"
 EXECUTION_HEADER = "X-Upstream-Execution"
@@ -110,7 +111,7 @@ class _Gate:
         self.arrivals = 0
 
 
-class RecordingUpstream:
+class RecordingUpstream(StartedInContext):
     """An aiohttp upstream on ``127.0.0.1:<ephemeral>`` that records and scripts answers.
 
     Use as ``async with RecordingUpstream() as upstream: ...``; ``upstream.url`` is
@@ -168,18 +169,6 @@ class RecordingUpstream:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     # ------------------------------------------------------------------- queries
 
