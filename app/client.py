@@ -21,7 +21,7 @@ from typing import Any, Self
 
 import httpx
 
-from app.resilience.backoff import full_jitter, parse_retry_after
+from app.resilience.backoff import parse_retry_after, pause_before_retry
 
 IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -112,9 +112,9 @@ class IdempotentClient:
     async def _pause(self, attempt: int, retry_after: float | None, ends_at: float) -> bool:
         if attempt >= self.max_attempts:
             return False
-        delay = full_jitter(attempt - 1, base=self.base, cap=self.cap, uniform=self._uniform)
-        if retry_after is not None:
-            delay = retry_after
+        delay = pause_before_retry(
+            attempt, retry_after=retry_after, base=self.base, cap=self.cap, uniform=self._uniform
+        )
         if self._clock() + delay >= ends_at:
             return False
         await self._sleep(delay)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TypeVar
 
 from redis.asyncio import Redis
@@ -24,6 +24,7 @@ from app.config import BreakerConfig
 from app.errors import CircuitOpen
 from app.idempotency.cache import CachedAnswer, cache_key, decode, encode
 from app.idempotency.record import RecordKey
+from app.idempotency.store import utc_now
 from app.ops.degradation import DegradationLog
 from app.ops.metrics import CACHE_LATENCY, CACHE_LOOKUPS
 from app.resilience.breaker import BreakerState, CircuitBreaker
@@ -72,7 +73,7 @@ class RedisCache:
         *,
         timeout: float,
         max_entry_bytes: int,
-        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        clock: Callable[[], datetime] = utc_now,
     ) -> None:
         self.redis = redis
         self.timeout = timeout

@@ -25,6 +25,20 @@ def full_jitter(
     return uniform(0.0, ceiling)
 
 
+def pause_before_retry(
+    attempt: int,
+    *,
+    retry_after: float | None,
+    base: float,
+    cap: float,
+    uniform: Callable[[float, float], float] = random.uniform,
+) -> float:
+    """The pause before retry number ``attempt`` (1 for the first): the server's own
+    ``Retry-After`` when it sent one, else full jitter. Callers check it fits the deadline."""
+    delay = full_jitter(attempt - 1, base=base, cap=cap, uniform=uniform)
+    return delay if retry_after is None else retry_after
+
+
 def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:
     """Seconds from ``Retry-After``: delay-seconds or an HTTP-date (RFC 9110 section 10.2.3)."""
     if value is None:

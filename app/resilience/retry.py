@@ -36,7 +36,7 @@ from app.ops.metrics import (
 from app.ops.request_log import RequestLog
 from app.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from app.proxy.deadline import Deadline
-from app.resilience.backoff import full_jitter, parse_retry_after
+from app.resilience.backoff import parse_retry_after, pause_before_retry
 from app.resilience.breaker import CircuitBreaker, TransitionListener
 from app.resilience.budget import RetryBudget
 
@@ -186,11 +186,13 @@ class ResilientUpstream:
         """Sleep before the next attempt; or say why there will be none."""
         if attempt >= self.retry.max_attempts:
             return f"max_attempts ({self.retry.max_attempts}) reached"
-        delay = full_jitter(
-            attempt - 1, base=self.retry.base, cap=self.retry.cap, uniform=self._uniform
+        delay = pause_before_retry(
+            attempt,
+            retry_after=retry_after,
+            base=self.retry.base,
+            cap=self.retry.cap,
+            uniform=self._uniform,
         )
-        if retry_after is not None:
-            delay = retry_after
         if delay + MIN_ATTEMPT_TIME >= deadline.remaining():
             return f"a pause of {delay:.3f}s would not leave time for another attempt"
         if not self.budget.try_withdraw():
