@@ -19,7 +19,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python -m venv /opt/venv
 WORKDIR /src
 # Only what the wheel is built from (hatchling reads README.md for the long description;
-# the migrations are force-included into the wheel as app/migrations).
+# the migrations are force-included into the wheel as idempotency_gateway/migrations).
 COPY pyproject.toml README.md ./
 COPY app/ app/
 COPY migrations/ migrations/

@@ -6,7 +6,7 @@
 ``BENCH_LIBRARY`` picks the middleware:
 
 - ``plain``: no middleware (the ceiling for this endpoint);
-- ``gateway``: ``app.idempotency.IdempotencyMiddleware``, durable on PostgreSQL
+- ``gateway``: ``idempotency_gateway.idempotency.IdempotencyMiddleware``, durable on PostgreSQL
   (``RecordStore.from_url(BENCH_DATABASE_URL)``), default policy (POST and PATCH, key optional);
 - ``header-memory``: ``asgi-idempotency-header`` with its ``MemoryBackend`` (a dict in the
   process: nothing durable, nothing shared between processes);
@@ -40,9 +40,9 @@ def create_api(mode: str) -> FastAPI:
         return {"ok": True}
 
     if mode == "gateway":
-        from app.config import IdempotencyConfig, StoreConfig
-        from app.idempotency import IdempotencyMiddleware
-        from app.idempotency.store import RecordStore
+        from idempotency_gateway.config import IdempotencyConfig, StoreConfig
+        from idempotency_gateway.idempotency import IdempotencyMiddleware
+        from idempotency_gateway.idempotency.store import RecordStore
 
         store = RecordStore.from_url(os.environ["BENCH_DATABASE_URL"], StoreConfig())
         closers.append(store.close)

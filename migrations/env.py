@@ -9,8 +9,8 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.idempotency.schema import metadata
-from app.idempotency.store import normalize_database_url
+from idempotency_gateway.idempotency.schema import metadata
+from idempotency_gateway.idempotency.store import normalize_database_url
 
 
 def _database_url() -> str:

@@ -17,9 +17,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from app.config import StoreConfig
-from app.idempotency.store import RecordStore
-from app.migrate import upgrade_to_head
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.migrate import upgrade_to_head
 from tests.support import RecordingUpstream
 
 DEFAULT_TEST_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/idempotency_gateway_test"

@@ -35,10 +35,10 @@ from pydantic import SecretStr
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.config import GatewayConfig
-from app.idempotency.cache import cache_key
-from app.idempotency.schema import breaker_overrides
-from app.main import Gateway, create_gateway
+from idempotency_gateway.config import GatewayConfig
+from idempotency_gateway.idempotency.cache import cache_key
+from idempotency_gateway.idempotency.schema import breaker_overrides
+from idempotency_gateway.main import Gateway, create_gateway
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
 from tests.support.gateway import CLI_SERVER_OPTIONS, route
 from tests.support.keyed import (

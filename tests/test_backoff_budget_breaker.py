@@ -15,11 +15,16 @@ from email.utils import format_datetime
 
 import pytest
 
-from app.config import BreakerConfig, RetryConfig
-from app.errors import CircuitOpen
-from app.resilience.backoff import full_jitter, parse_retry_after
-from app.resilience.breaker import BreakerSnapshot, BreakerState, CircuitBreaker, Permit
-from app.resilience.budget import RetryBudget
+from idempotency_gateway.config import BreakerConfig, RetryConfig
+from idempotency_gateway.errors import CircuitOpen
+from idempotency_gateway.resilience.backoff import full_jitter, parse_retry_after
+from idempotency_gateway.resilience.breaker import (
+    BreakerSnapshot,
+    BreakerState,
+    CircuitBreaker,
+    Permit,
+)
+from idempotency_gateway.resilience.budget import RetryBudget
 from tests.support.fake_time import FakeTime
 
 

@@ -27,16 +27,16 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.cli import main
-from app.config import StoreConfig
-from app.idempotency.record import RecordKey
-from app.idempotency.store import Claim, RecordStore
-from app.migrate import alembic_config
+from idempotency_gateway.cli import main
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.idempotency.record import RecordKey
+from idempotency_gateway.idempotency.store import Claim, RecordStore
+from idempotency_gateway.migrate import alembic_config
 from tests.conftest import ManualClock
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
 from tests.support.servers import PROJECT_ROOT
 
-CLI = (sys.executable, "-m", "app.cli")
+CLI = (sys.executable, "-m", "idempotency_gateway.cli")
 EMBEDDED_DATABASE_FILE = "idempotency-gateway.db"
 RECORDS_TABLE = "idempotency_records"
 

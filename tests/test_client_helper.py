@@ -1,4 +1,4 @@
-"""The Python client helper (``app.client``) against the real gateway over loopback HTTP.
+"""The client helper (``idempotency_gateway.client``) against the real gateway over loopback.
 
 ``idempotency_key`` derives one stable key from business ids. ``IdempotentClient`` sends the same
 key on every attempt, waits out a 409 until the first request's answer is replayed, honours
@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.client import IdempotentClient, idempotency_key
+from idempotency_gateway.client import IdempotentClient, idempotency_key
 from tests.support import RecordingUpstream, free_port
 from tests.support.fake_time import FakeTime
 from tests.support.gateway import (

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from app.cli import main
-from app.config import (
+from idempotency_gateway.cli import main
+from idempotency_gateway.config import (
     ConfigError,
     GatewayConfig,
     KeyPolicy,

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from app.demo.payments import create_payments_app
+from idempotency_gateway.demo.payments import create_payments_app
 
 
 @pytest.fixture

@@ -33,12 +33,12 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-import app.ops.metrics
-from app.cli import build_parser as cli_parser
-from app.config import EnvSettings, GatewayConfig, load_config, validate_config
-from app.demo.payments import create_payments_app
-from app.main import DRAIN_TIMEOUT, create_gateway
-from app.serve import GRACEFUL_SHUTDOWN_SECONDS
+import idempotency_gateway.telemetry.metrics
+from idempotency_gateway.cli import build_parser as cli_parser
+from idempotency_gateway.config import EnvSettings, GatewayConfig, load_config, validate_config
+from idempotency_gateway.demo.payments import create_payments_app
+from idempotency_gateway.main import DRAIN_TIMEOUT, create_gateway
+from idempotency_gateway.serve import GRACEFUL_SHUTDOWN_SECONDS
 from tests.support import GatewayProcess, eventually, write_config
 from tests.support.servers import PROJECT_ROOT
 
@@ -52,7 +52,7 @@ ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 GATEWAY_IMAGE = "idempotency-gateway"
 PROXY_PORT = 8080
 ADMIN_PORT = 8081
-METRIC_TOKEN = re.compile(rf"{app.ops.metrics.PREFIX}[a-z_]+")
+METRIC_TOKEN = re.compile(rf"{idempotency_gateway.telemetry.metrics.PREFIX}[a-z_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 YAML_FILES = sorted(
     path
@@ -255,7 +255,7 @@ def test_dockerfile_entrypoint_is_the_copied_script_that_execs_the_console_scrip
     )
     assert os.access(ENTRYPOINT_SCRIPT, os.X_OK)
     scripts = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["idempotency-gateway"] == "app.cli:main"
+    assert scripts["idempotency-gateway"] == "idempotency_gateway.cli:main"
     assert 'exec idempotency-gateway "$@"' in ENTRYPOINT_SCRIPT.read_text()
 
 
@@ -645,7 +645,7 @@ def exported_metrics() -> dict[str, str]:
     """Series names the gateway exports (counters with ``_total``) and their types."""
     exported: dict[str, str] = {}
     for family in REGISTRY.collect():
-        if family.name.startswith(app.ops.metrics.PREFIX):
+        if family.name.startswith(idempotency_gateway.telemetry.metrics.PREFIX):
             name = f"{family.name}_total" if family.type == "counter" else family.name
             exported[name] = family.type
     return exported
@@ -716,7 +716,7 @@ def test_alert_rules_are_complete_and_uniquely_named() -> None:
         "retry_budget_exhausted_total",
         "upstream_attempts_total",
     ):
-        assert app.ops.metrics.PREFIX + metric in covered, metric
+        assert idempotency_gateway.telemetry.metrics.PREFIX + metric in covered, metric
 
 
 # ---------------------------------------------------------------------------- Kubernetes

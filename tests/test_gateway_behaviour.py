@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
-from app.idempotency.record import RecordKey, Status
-from app.idempotency.store import RecordStore
-from app.problems import PROBLEM_CONTENT_TYPE
+from idempotency_gateway.idempotency.record import RecordKey, Status
+from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.problems import PROBLEM_CONTENT_TYPE
 from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.gateway import (
     GatewayLauncher,

@@ -44,11 +44,11 @@ from schemathesis import checks
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.client import IdempotentClient
-from app.config import GatewayConfig
-from app.errors import PROBLEM_TYPE_BASE
-from app.idempotency.schema import OPERATION_MAX_LENGTH
-from app.main import create_gateway
+from idempotency_gateway.client import IdempotentClient
+from idempotency_gateway.config import GatewayConfig
+from idempotency_gateway.errors import PROBLEM_TYPE_BASE
+from idempotency_gateway.idempotency.schema import OPERATION_MAX_LENGTH
+from idempotency_gateway.main import create_gateway
 from tests.faults.checker import DOCUMENTED_5XX
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route

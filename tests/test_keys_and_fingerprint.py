@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from app.asgi import Headers
-from app.errors import InvalidIdempotencyKey
-from app.idempotency.fingerprint import request_hash
-from app.idempotency.keys import ANONYMOUS_SCOPE, parse_idempotency_key, scope_of
+from idempotency_gateway.asgi import Headers
+from idempotency_gateway.errors import InvalidIdempotencyKey
+from idempotency_gateway.idempotency.fingerprint import request_hash
+from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE, parse_idempotency_key, scope_of
 
 KEY_HEADER = b"idempotency-key"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 
-from app.config import IdempotencyConfig
-from app.idempotency import IdempotencyMiddleware
-from app.idempotency.machine import Outcome
-from app.idempotency.store import RecordStore
+from idempotency_gateway.config import IdempotencyConfig
+from idempotency_gateway.execution import Outcome
+from idempotency_gateway.idempotency import IdempotencyMiddleware
+from idempotency_gateway.idempotency.store import RecordStore
 from tests.support import serve_asgi
 
 CHARGE = {"amount": 1250, "currency": "eur"}

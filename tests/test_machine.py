@@ -7,9 +7,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from app.config import IdempotencyConfig, OnAmbiguous
-from app.idempotency.machine import Action, Outcome, classify, decide
-from app.idempotency.record import Record, RecordKey, Status, StoredResponse
+from idempotency_gateway.config import IdempotencyConfig, OnAmbiguous
+from idempotency_gateway.execution import Outcome
+from idempotency_gateway.idempotency.machine import Action, classify, decide
+from idempotency_gateway.idempotency.record import Record, RecordKey, Status, StoredResponse
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 REQUEST_HASH = "a" * 64

@@ -28,7 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.idempotency.keys import scope_of
+from idempotency_gateway.idempotency.keys import scope_of
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
 from tests.support.gateway import gateway_config, route
 from tests.support.keyed import CHARGE, CHARGES, is_replay, send_keyed

@@ -1,9 +1,9 @@
 """Several real gateway processes on one PostgreSQL database keep the promise together.
 
-Each test launches ``python -m app.cli serve`` subprocesses that share the test database and
-proxy to a RecordingUpstream in the test's loop. They prove that a same-key storm spread over
-processes (or over the workers of one process) executes once; that a stalled owner (SIGSTOP)
-is fenced off when another process takes its record over, under both ``on_ambiguous``
+Each test launches ``python -m idempotency_gateway.cli serve`` subprocesses that share the test
+database and proxy to a RecordingUpstream in the test's loop. They prove that a same-key storm
+spread over processes (or over the workers of one process) executes once; that a stalled owner
+(SIGSTOP) is fenced off when another process takes its record over, under both ``on_ambiguous``
 policies (its own client gets its answer cut short, never an answer the record does not
 hold, and the retry replays the record's); and that a killed owner (SIGKILL) leaves a
 stored "outcome unknown" answer instead of a second execution or a key stuck at 409.

@@ -20,9 +20,9 @@ import httpx
 import pytest
 import redis.asyncio
 
-from app.asgi import Headers
-from app.idempotency.prefer import requested_wait
-from app.idempotency.wakeups import LocalWakeups, channel_for
+from idempotency_gateway.asgi import Headers
+from idempotency_gateway.idempotency.prefer import requested_wait
+from idempotency_gateway.idempotency.wakeups import LocalWakeups, channel_for
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import GatewayLauncher, RunningGateway, route
 from tests.support.keyed import (

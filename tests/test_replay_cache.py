@@ -27,10 +27,16 @@ import pytest
 import redis.asyncio
 from redis.exceptions import RedisError
 
-from app.idempotency.cache import CachedAnswer, InProcessCache, cache_key, decode, encode
-from app.idempotency.record import RecordKey, Status, StoredResponse
-from app.idempotency.redis_cache import RedisCache, connect_redis
-from app.resilience.breaker import BreakerState
+from idempotency_gateway.idempotency.cache import (
+    CachedAnswer,
+    InProcessCache,
+    cache_key,
+    decode,
+    encode,
+)
+from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
+from idempotency_gateway.idempotency.redis_cache import RedisCache, connect_redis
+from idempotency_gateway.resilience.breaker import BreakerState
 from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.gateway import (
     GatewayLauncher,

@@ -22,14 +22,14 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
-from app.config import UpstreamConfig
-from app.errors import CircuitOpen, DeadlineExhausted
-from app.idempotency.record import RecordKey, Status
-from app.idempotency.store import RecordStore
-from app.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
-from app.proxy.deadline import Deadline
-from app.resilience.breaker import BreakerState
-from app.resilience.retry import RequestFactory, ResilientUpstream, RetryPlan
+from idempotency_gateway.config import UpstreamConfig
+from idempotency_gateway.errors import CircuitOpen, DeadlineExhausted
+from idempotency_gateway.idempotency.record import RecordKey, Status
+from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
+from idempotency_gateway.proxy.deadline import Deadline
+from idempotency_gateway.proxy.resilient import RequestFactory, ResilientUpstream, RetryPlan
+from idempotency_gateway.resilience.breaker import BreakerState
 from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.fake_time import FakeTime
 from tests.support.gateway import (
@@ -42,7 +42,7 @@ from tests.support.gateway import (
 
 CHARGES = "/v1/charges"
 PROBLEM_TYPE_PREFIX = "urn:idempotency-gateway:problem:"
-RETRY_LOGGER = "app.resilience.retry"
+RETRY_LOGGER = "idempotency_gateway.proxy.resilient"
 KEYED = RetryPlan(idempotent=True, retry_ambiguous=False, ambiguous_statuses=frozenset({502, 504}))
 # Pauses of a millisecond keep the gateway tests fast; the pause math has its own tests.
 FAST_RETRY = {"base": "1ms", "cap": "1ms"}

@@ -21,12 +21,12 @@ import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import func, inspect, select
 
-from app.config import StoreConfig
-from app.errors import StoreUnavailable
-from app.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
-from app.idempotency.schema import records
-from app.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore, Reservation
-from app.migrate import alembic_config, upgrade_to_head
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
+from idempotency_gateway.idempotency.schema import records
+from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore, Reservation
+from idempotency_gateway.migrate import alembic_config, upgrade_to_head
 from tests.conftest import ManualClock
 from tests.support import free_port
 

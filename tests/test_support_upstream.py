@@ -455,7 +455,7 @@ def test_default_command_is_the_gateway_cli(tmp_path: Path) -> None:
     assert process.argv == [
         sys.executable,
         "-m",
-        "app.cli",
+        "idempotency_gateway.cli",
         "serve",
         "--config",
         str(tmp_path / "gateway.yaml"),

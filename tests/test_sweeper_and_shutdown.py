@@ -32,11 +32,11 @@ from prometheus_client import REGISTRY
 from sqlalchemy import delete, event, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
-from app.config import StoreConfig, SweeperConfig
-from app.idempotency.record import RecordKey, Status
-from app.idempotency.schema import records
-from app.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore
-from app.ops.sweeper import Sweeper
+from idempotency_gateway.config import StoreConfig, SweeperConfig
+from idempotency_gateway.idempotency.record import RecordKey, Status
+from idempotency_gateway.idempotency.schema import records
+from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore
+from idempotency_gateway.operations.sweeper import Sweeper
 from tests.conftest import ManualClock
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import unreachable_database_url
@@ -51,7 +51,7 @@ LONG_AGO_ENDS = datetime(2002, 1, 1, tzinfo=UTC)
 SHORT_TTL = 60.0
 LONG_TTL = 3600.0
 OPERATION = "POST /v1/sweep"
-CLI = (sys.executable, "-m", "app.cli")
+CLI = (sys.executable, "-m", "idempotency_gateway.cli")
 
 
 # ----------------------------------------------------------------------------- helpers

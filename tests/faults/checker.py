@@ -34,7 +34,7 @@ from typing import Any
 
 import asyncpg
 
-from app.errors import PROBLEM_TYPE_BASE
+from idempotency_gateway.errors import PROBLEM_TYPE_BASE
 from tests.faults.clients import Attempt, Operation, Send
 from tests.faults.upstream import disposition
 from tests.support.upstream import EXECUTION_HEADER, Execution

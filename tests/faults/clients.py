@@ -1,8 +1,9 @@
 """Clients that retry like real SDKs, and remember every answer they saw.
 
-Each client is ``app.client.IdempotentClient`` (the same key on every attempt; 409, 425, 429,
-5xx and connection errors retried with full jitter, ``Retry-After`` honoured; a replayed
-answer or a non-retryable status ends the operation) over an httpx transport that plays
+Each client is ``idempotency_gateway.client.IdempotentClient`` (the same key on every
+attempt; 409, 425, 429, 5xx and connection errors retried with full jitter, ``Retry-After``
+honoured; a replayed answer or a non-retryable status ends the operation) over an httpx
+transport that plays
 load balancer, picking a live gateway of the cluster for every attempt, and writes every
 answer or error into the client's log. A client works through its own list of business
 operations; some operations belong to two clients at once (the same key sent concurrently
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from app.client import RETRY_STATUSES, IdempotentClient
+from idempotency_gateway.client import RETRY_STATUSES, IdempotentClient
 from tests.faults.cluster import ROUTES
 from tests.support import GatewayProcess
 

@@ -118,7 +118,11 @@ class PrivatePostgres:
             )
         )
         await run_command(
-            sys.executable, "-m", "app.cli", "migrate", env={"GATEWAY_DATABASE_URL": self.url}
+            sys.executable,
+            "-m",
+            "idempotency_gateway.cli",
+            "migrate",
+            env={"GATEWAY_DATABASE_URL": self.url},
         )
 
     async def start(self) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from app.errors import PROBLEM_TYPE_BASE
+from idempotency_gateway.errors import PROBLEM_TYPE_BASE
 from tests.faults.checker import Report, StoredRecord, check
 from tests.faults.clients import Attempt, Operation, Send
 from tests.support.upstream import Execution

@@ -22,8 +22,8 @@ from typing import Any, Self
 
 import httpx
 
-from app.config import GatewayConfig, validate_config
-from app.main import Gateway, create_gateway
+from idempotency_gateway.config import GatewayConfig, validate_config
+from idempotency_gateway.main import Gateway, create_gateway
 from tests.support.servers import free_port, serve_asgi
 
 PRIMARY = "primary"

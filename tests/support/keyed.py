@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 
-from app.config import GatewayConfig
-from app.idempotency.keys import scope_of
-from app.idempotency.record import RecordKey
+from idempotency_gateway.config import GatewayConfig
+from idempotency_gateway.idempotency.keys import scope_of
+from idempotency_gateway.idempotency.record import RecordKey
 from tests.support.gateway import gateway_config, route
 from tests.support.upstream import BEHAVIOR_HEADER, KEY_HEADER
 

@@ -122,9 +122,10 @@ async def serve_asgi(
 class GatewayProcess(StartedInContext):
     """The real gateway CLI in a subprocess, listening on ``127.0.0.1:<free port>``.
 
-    Runs ``python -m app.cli serve --config CONFIG --host 127.0.0.1 --port PORT *extra_args``
-    with ``os.environ`` plus ``env``; stdout and stderr go to ``log_dir/<name>.log``. The child
-    gets its own session (process group) so SIGSTOP/SIGCONT/SIGKILL also reach any workers.
+    Runs ``python -m idempotency_gateway.cli serve --config CONFIG --host 127.0.0.1
+    --port PORT *extra_args`` with ``os.environ`` plus ``env``; stdout and stderr go to
+    ``log_dir/<name>.log``. The child gets its own session (process group) so
+    SIGSTOP/SIGCONT/SIGKILL also reach any workers.
     """
 
     def __init__(
@@ -150,7 +151,9 @@ class GatewayProcess(StartedInContext):
         self.admin_port = free_port(host)
         self.name = name
         self.startup_timeout = startup_timeout
-        self.command = list(command) if command else [sys.executable, "-m", "app.cli"]
+        self.command = (
+            list(command) if command else [sys.executable, "-m", "idempotency_gateway.cli"]
+        )
         self.cwd = Path(cwd) if cwd is not None else PROJECT_ROOT
         base = Path(log_dir) if log_dir is not None else self.config_path.parent
         self.log_path = base / f"{name}-{self.port}.log"

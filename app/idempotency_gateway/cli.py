@@ -1,0 +1,209 @@
+"""``idempotency-gateway``: serve, demo, migrate, sweep, check-config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from idempotency_gateway.config import (
+    ConfigError,
+    EnvSettings,
+    GatewayConfig,
+    StoreConfig,
+    dump_config,
+    load_config,
+    single_upstream_config,
+)
+from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare_metrics_directory
+
+# Everything else is imported by the command that needs it: `serve --workers N` must set the
+# metrics directory before prometheus_client is imported anywhere in this process.
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="idempotency-gateway",
+        description="An idempotency gateway: retried requests never execute twice.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", type=Path, help="YAML config file (or GATEWAY_CONFIG)")
+    serve.add_argument("--upstream", help="proxy everything to this URL with default policies")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument(
+        "--admin-port", type=int, default=None, help="health, metrics, admin API (default 8081)"
+    )
+    serve.add_argument("--workers", type=int, default=1)
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--log-format",
+        choices=["auto", "json", "text"],
+        default="auto",
+        help="auto: text on a terminal, JSON lines otherwise",
+    )
+
+    demo = commands.add_parser("demo", help="embedded store + an example payments API")
+    demo.add_argument("--port", type=int, default=8080)
+    demo.add_argument("--upstream-port", type=int, default=9000)
+
+    migrate = commands.add_parser(
+        "migrate", help="upgrade the database schema (GATEWAY_DATABASE_URL)"
+    )
+    migrate.add_argument(
+        "--wait", type=float, default=0, help="seconds to wait for the database to accept"
+    )
+
+    sweep = commands.add_parser("sweep", help="delete expired records now")
+    sweep.add_argument("--batch-size", type=int, default=1000)
+
+    check = commands.add_parser("check-config", help="validate a config file and print it")
+    check.add_argument("file", type=Path)
+    return parser
+
+
+def _resolve_config(args: argparse.Namespace, settings: EnvSettings) -> GatewayConfig:
+    config_path = args.config or settings.config
+    if config_path is not None and args.upstream:
+        raise ConfigError("command line", ["give either --config or --upstream, not both"])
+    if args.upstream:
+        return single_upstream_config(args.upstream)
+    if config_path is None:
+        raise ConfigError(
+            "command line", ["no upstream: give --upstream URL, --config FILE or GATEWAY_CONFIG"]
+        )
+    return load_config(Path(config_path))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = EnvSettings()
+    config = _resolve_config(args, settings)
+    metrics_directory = None
+    if args.workers > 1 and MULTIPROCESS_ENV not in os.environ:
+        metrics_directory = prepare_metrics_directory()
+    try:
+        return _run_server(args, settings, config)
+    finally:
+        if metrics_directory is not None:
+            shutil.rmtree(metrics_directory, ignore_errors=True)
+
+
+def _run_server(args: argparse.Namespace, settings: EnvSettings, config: GatewayConfig) -> int:
+    from idempotency_gateway.main import RESOLVED_CONFIG_ENV, database_url_or_default
+    from idempotency_gateway.migrate import upgrade_to_head
+    from idempotency_gateway.serve import serve
+
+    database_url = database_url_or_default(settings.database_url)
+    if database_url.startswith("sqlite"):
+        # Migrate once here, before any worker starts, so workers never race on DDL.
+        upgrade_to_head(database_url)
+    admin_port = args.admin_port if args.admin_port is not None else settings.admin_port
+    os.environ[RESOLVED_CONFIG_ENV] = config.model_dump_json()
+    os.environ["GATEWAY_ADMIN_PORT"] = str(admin_port)
+    serve(
+        host=args.host,
+        port=args.port,
+        admin_port=admin_port,
+        workers=args.workers,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from idempotency_gateway.main import database_url_or_default
+    from idempotency_gateway.migrate import upgrade_to_head
+
+    url = database_url_or_default(EnvSettings().database_url)
+    deadline = time.monotonic() + args.wait
+    while True:
+        # A container starting beside its database must not fail because it came up first.
+        error = asyncio.run(_database_error(url))
+        if error is None:
+            break
+        if time.monotonic() >= deadline:
+            print(f"error: the database does not answer: {error}", file=sys.stderr)
+            return 1
+        time.sleep(1)
+    upgrade_to_head(url)
+    print(f"schema is at the newest migration on {url.split('@')[-1]}")
+    return 0
+
+
+async def _database_error(url: str) -> str | None:
+    from idempotency_gateway.errors import StoreUnavailable
+    from idempotency_gateway.idempotency.store import RecordStore
+
+    store = RecordStore.from_url(url, StoreConfig())
+    try:
+        await store.ping()
+    except StoreUnavailable as exc:
+        return str(exc)
+    finally:
+        await store.close()
+    return None
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from idempotency_gateway.errors import StoreUnavailable
+    from idempotency_gateway.idempotency.store import RecordStore
+    from idempotency_gateway.main import database_url_or_default
+
+    async def sweep_all() -> int | None:
+        store = RecordStore.from_url(
+            database_url_or_default(EnvSettings().database_url), StoreConfig()
+        )
+        try:
+            return await store.sweep(batch_size=args.batch_size)
+        finally:
+            await store.close()
+
+    try:
+        deleted = asyncio.run(sweep_all())
+    except StoreUnavailable as exc:
+        print(f"error: the database does not answer: {exc}", file=sys.stderr)
+        return 1
+    if deleted is None:
+        print("another sweeper is running; nothing done")
+        return 0
+    print(f"deleted {deleted} expired records")
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    print(dump_config(config), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "demo":
+            from idempotency_gateway.demo.run import run_demo
+
+            return run_demo(port=args.port, upstream_port=args.upstream_port)
+        if args.command == "migrate":
+            return _migrate(args)
+        if args.command == "sweep":
+            return _sweep(args)
+        return _check_config(args)
+    except ConfigError as exc:
+        print(f"error: invalid configuration in {exc.source}:", file=sys.stderr)
+        for line in exc.errors:
+            print(f"  - {line}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""A Python client for APIs behind the gateway: stable keys and safe retries (httpx).
+
+    async with IdempotentClient("https://payments.internal") as client:
+        key = idempotency_key("charge", order.id)      # the same key on every retry
+        response = await client.post("/v1/charges", key=key, json={"amount": 1000})
+
+The key comes from business ids, never from the time or the attempt number: a retry with a new
+key is a new charge. Retries use the gateway's own full-jitter math, honour ``Retry-After``,
+stop at an overall deadline, and stop at once on answers a retry cannot change (400, 422, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import time
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
+
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+# 409: the first request with the key is still running; 429/5xx: not processed or not yet.
+RETRY_STATUSES = frozenset({409, 425, 429, 500, 502, 503, 504})
+_UNSAFE_WITHOUT_KEY = frozenset({"POST", "PATCH"})
+
+
+def idempotency_key(*business_ids: str | int, namespace: str = "") -> str:
+    """A stable key from the ids that make an operation unique (order id, invoice id, ...)."""
+    if not business_ids:
+        raise ValueError("derive the key from at least one business id")
+    digest = hashlib.sha256()
+    # Length-prefixed, namespace included, so no two different inputs hash alike.
+    for part in (namespace, *business_ids):
+        encoded = str(part).encode()
+        digest.update(len(encoded).to_bytes(4, "big") + encoded)
+    return digest.hexdigest()
+
+
+class IdempotentClient:
+    def __init__(
+        self,
+        base_url: str = "",
+        *,
+        http: httpx.AsyncClient | None = None,
+        max_attempts: int = 5,
+        base: float = 0.1,
+        cap: float = 5.0,
+        deadline: float = 30.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        uniform: Callable[[float, float], float] = random.uniform,
+    ) -> None:
+        self.http = http or httpx.AsyncClient(base_url=base_url)
+        self.max_attempts = max_attempts
+        self.base = base
+        self.cap = cap
+        self.deadline = deadline
+        self._sleep = sleep
+        self._clock = clock
+        self._uniform = uniform
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.http.aclose()
+
+    async def post(self, url: str, *, key: str, **kwargs: Any) -> httpx.Response:
+        return await self.request("POST", url, key=key, **kwargs)
+
+    async def request(
+        self, method: str, url: str, *, key: str | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """Send, retrying what is safe to retry; the last answer or error comes back."""
+        headers = dict(kwargs.pop("headers", None) or {})
+        if key is not None:
+            headers[IDEMPOTENCY_KEY_HEADER] = key
+        # Without a key a sent POST may have executed: only "never sent" is safe to retry.
+        only_unsent = key is None and method.upper() in _UNSAFE_WITHOUT_KEY
+        ends_at = self._clock() + self.deadline
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await self.http.request(method, url, headers=headers, **kwargs)
+            except httpx.TransportError as error:
+                never_sent = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
+                if only_unsent and not never_sent:
+                    raise
+                if not await self._pause(attempt, None, ends_at):
+                    raise
+                continue
+            # A replayed answer is the stored outcome: every retry would get it again.
+            replayed = response.headers.get(REPLAYED_HEADER) == "true"
+            if response.status_code not in RETRY_STATUSES or only_unsent or replayed:
+                return response
+            retry_after = parse_retry_after(response.headers.get("retry-after"))
+            if not await self._pause(attempt, retry_after, ends_at):
+                return response
+
+    async def _pause(self, attempt: int, retry_after: float | None, ends_at: float) -> bool:
+        if attempt >= self.max_attempts:
+            return False
+        delay = pause_before_retry(
+            attempt, retry_after=retry_after, base=self.base, cap=self.cap, uniform=self._uniform
+        )
+        if self._clock() + delay >= ends_at:
+            return False
+        await self._sleep(delay)
+        return True

@@ -1,0 +1,167 @@
+"""The gateway's one error tree.
+
+Every failure a client can see is a ``GatewayError``; each knows the RFC 9457 problem it
+becomes. Low-level exceptions (aiohttp, SQLAlchemy/asyncpg/aiosqlite) are translated into
+this tree in one place each: ``proxy.client`` and ``idempotency.store``.
+
+    GatewayError
+    ├── RequestRejected                 the request itself is wrong (4xx)
+    │   ├── InvalidIdempotencyKey         400
+    │   ├── MissingIdempotencyKey         400
+    │   ├── NoRouteMatched                404
+    │   ├── RequestInFlight               409, Retry-After
+    │   ├── RequestBodyTooLarge           413
+    │   ├── OperationTooLong              414
+    │   └── KeyReusedWithDifferentRequest 422
+    ├── StoreUnavailable                the durable record cannot be read or written (503)
+    ├── AdminError                      the admin API refuses (its own statuses)
+    └── UpstreamError                   the upstream call failed
+        ├── UpstreamNotSent               the request never left: safe to execute again (502)
+        │   ├── CircuitOpen                 the upstream's breaker is open (503, Retry-After)
+        │   └── DeadlineExhausted           too little time left to try (504)
+        └── UpstreamAmbiguous             sent, but no complete answer came back
+            ├── UpstreamTimeout             504
+            └── UpstreamConnectionLost      502
+"""
+
+from __future__ import annotations
+
+import math
+
+PROBLEM_TYPE_BASE = "urn:idempotency-gateway:problem:"
+
+
+class GatewayError(Exception):
+    status: int = 500
+    slug: str = "internal-error"
+    title: str = "Internal gateway error"
+    retryable: bool = False
+    retry_after: int | None = None
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+    @property
+    def problem_type(self) -> str:
+        return PROBLEM_TYPE_BASE + self.slug
+
+
+class RequestRejected(GatewayError):
+    status = 400
+    slug = "bad-request"
+    title = "Bad request"
+
+
+class InvalidIdempotencyKey(RequestRejected):
+    slug = "idempotency-key-invalid"
+    title = "Malformed Idempotency-Key"
+
+
+class MissingIdempotencyKey(RequestRejected):
+    slug = "idempotency-key-missing"
+    title = "Idempotency-Key required"
+
+
+class NoRouteMatched(RequestRejected):
+    status = 404
+    slug = "no-route"
+    title = "No route for this path"
+
+
+class RequestInFlight(RequestRejected):
+    status = 409
+    slug = "request-in-flight"
+    title = "A request with this Idempotency-Key is still being processed"
+    retryable = True
+
+    def __init__(self, detail: str, *, retry_after: int) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
+class RequestBodyTooLarge(RequestRejected):
+    status = 413
+    slug = "request-body-too-large"
+    title = "Request body too large"
+
+
+class OperationTooLong(RequestRejected):
+    status = 414
+    slug = "operation-too-long"
+    title = "Request path too long to protect"
+
+
+class KeyReusedWithDifferentRequest(RequestRejected):
+    status = 422
+    slug = "idempotency-key-reused"
+    title = "Idempotency-Key reused with a different request"
+
+
+class StoreUnavailable(GatewayError):
+    status = 503
+    slug = "store-unavailable"
+    title = "Idempotency store unavailable"
+    retryable = True
+    retry_after = 1
+
+
+class AdminError(GatewayError):
+    def __init__(self, detail: str, *, status: int, slug: str, title: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.slug = slug
+        self.title = title
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    slug = "upstream-error"
+    title = "Upstream error"
+
+
+class UpstreamNotSent(UpstreamError):
+    slug = "upstream-unreachable"
+    title = "Upstream unreachable"
+    retryable = True
+
+
+class CircuitOpen(UpstreamNotSent):
+    status = 503
+    slug = "circuit-open"
+    title = "Upstream circuit open"
+
+    def __init__(self, upstream: str, *, retry_after: float) -> None:
+        super().__init__(
+            f"upstream {upstream!r} is failing; the gateway is not sending it requests for now"
+        )
+        self.retry_after = max(1, math.ceil(retry_after))
+
+
+class DeadlineExhausted(UpstreamNotSent):
+    status = 504
+    slug = "deadline-exhausted"
+    title = "Request deadline exhausted"
+
+
+class UpstreamAmbiguous(UpstreamError):
+    """The request may have been processed: only the upstream knows."""
+
+
+class UpstreamTimeout(UpstreamAmbiguous):
+    status = 504
+    slug = "upstream-timeout"
+    title = "Upstream timed out"
+
+
+class UpstreamConnectionLost(UpstreamAmbiguous):
+    slug = "upstream-connection-lost"
+    title = "Upstream connection lost before a complete answer"
+
+
+class OutcomeUnknown(UpstreamAmbiguous):
+    """Stored for a key whose first execution was sent but never answered."""
+
+    status = 504
+    slug = "outcome-unknown"
+    title = "Outcome of the original request is unknown"

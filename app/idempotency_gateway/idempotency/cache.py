@@ -1,0 +1,167 @@
+"""``ReplayCache``: a fast path for replays. It never decides anything.
+
+Only finished, replayable records (``SUCCEEDED``, ``FAILED_FINAL``) are cached: their answer
+never changes until the record expires or an operator deletes it, so a cached copy cannot go
+stale while it lives. Every entry carries the full record key, the request hash and its expiry,
+and is checked on the way out: a corrupt, foreign or expired entry is a miss, never an answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Protocol
+
+import orjson
+
+from idempotency_gateway.idempotency.record import (
+    REPLAYABLE,
+    Record,
+    RecordKey,
+    Status,
+    StoredResponse,
+)
+from idempotency_gateway.telemetry.metrics import CACHE_LOOKUPS
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class CachedAnswer:
+    key: RecordKey
+    request_hash: str
+    status: Status
+    response: StoredResponse
+    expires_at: float  # epoch seconds
+
+    @classmethod
+    def of(cls, record: Record) -> CachedAnswer | None:
+        if record.status not in REPLAYABLE or record.response is None:
+            return None
+        return cls(
+            record.key,
+            record.request_hash,
+            record.status,
+            record.response,
+            record.expires_at.timestamp(),
+        )
+
+    def is_live(self, now: datetime) -> bool:
+        return self.expires_at > now.timestamp()
+
+
+def cache_key(key: RecordKey, *, prefix: str = "idgw:r:") -> str:
+    """A fixed-length name: client-chosen keys never shape the cache's key space."""
+    digest = hashlib.sha256()
+    for part in (key.scope, key.operation, key.idempotency_key):
+        encoded = part.encode()
+        digest.update(len(encoded).to_bytes(4, "big") + encoded)
+    return prefix + digest.hexdigest()
+
+
+def encode(answer: CachedAnswer) -> bytes:
+    """JSON metadata, a newline, then the body bytes as they are (no base64 round trip)."""
+    meta = orjson.dumps(
+        {
+            "v": _FORMAT,
+            "k": [answer.key.scope, answer.key.operation, answer.key.idempotency_key],
+            "h": answer.request_hash,
+            "s": answer.status.value,
+            "rs": answer.response.status,
+            "rh": answer.response.headers,
+            "o": answer.response.body_omitted,
+            "e": answer.expires_at,
+        }
+    )
+    return meta + b"\n" + answer.response.body
+
+
+def decode(raw: bytes, expected: RecordKey) -> CachedAnswer | None:
+    """The entry, or ``None`` when it is not a well-formed entry for exactly this key."""
+    meta_bytes, separator, body = raw.partition(b"\n")
+    if not separator:
+        return None
+    try:
+        meta = orjson.loads(meta_bytes)
+        if meta["v"] != _FORMAT or RecordKey(*meta["k"]) != expected:
+            return None
+        status = Status(meta["s"])
+        if status not in REPLAYABLE:
+            return None
+        response = StoredResponse(
+            status=int(meta["rs"]),
+            headers=[(str(name), str(value)) for name, value in meta["rh"]],
+            body=body,
+            body_omitted=bool(meta["o"]),
+        )
+        return CachedAnswer(expected, str(meta["h"]), status, response, float(meta["e"]))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+class ReplayCache(Protocol):
+    async def get(self, key: RecordKey) -> CachedAnswer | None: ...
+
+    async def put(self, answer: CachedAnswer) -> None: ...
+
+    async def delete(self, key: RecordKey) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcessCache:
+    """A bounded LRU for the embedded default: by entry count and by total body bytes."""
+
+    def __init__(self, *, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[RecordKey, CachedAnswer] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    async def get(self, key: RecordKey) -> CachedAnswer | None:
+        answer = self._entries.get(key)
+        if answer is not None and not answer.is_live(datetime.now(UTC)):
+            self._remove(key)
+            answer = None
+        if answer is None:
+            CACHE_LOOKUPS.labels("miss").inc()
+            return None
+        CACHE_LOOKUPS.labels("hit").inc()
+        self._entries.move_to_end(key)
+        return answer
+
+    async def put(self, answer: CachedAnswer) -> None:
+        size = len(answer.response.body)
+        if size > self.max_bytes:
+            return
+        self._remove(answer.key)
+        self._entries[answer.key] = answer
+        self._bytes += size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            oldest = next(iter(self._entries))
+            self._remove(oldest)
+
+    async def delete(self, key: RecordKey) -> bool:
+        self._remove(key)
+        return True
+
+    def _remove(self, key: RecordKey) -> None:
+        answer = self._entries.pop(key, None)
+        if answer is not None:
+            self._bytes -= len(answer.response.body)
+
+    async def close(self) -> None:
+        self._entries.clear()
+        self._bytes = 0

@@ -1,0 +1,78 @@
+"""The ``Idempotency-Key`` field and the client's scope.
+
+The key is a bare token or an RFC 8941 sf-string (``"abc"``), the form the IETF draft
+``draft-ietf-httpapi-idempotency-key-header`` uses. Either way the key itself must be 1 to 255
+visible ASCII characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from idempotency_gateway.asgi import Headers, header_values
+from idempotency_gateway.errors import InvalidIdempotencyKey
+
+MAX_KEY_LENGTH = 255
+ANONYMOUS_SCOPE = "anonymous"
+
+
+def _is_visible_ascii(text: str) -> bool:
+    return all(0x21 <= ord(char) <= 0x7E for char in text)
+
+
+def _unquote_sf_string(raw: str) -> str:
+    """The content of an RFC 8941 sf-string, or an error for anything that is not exactly one."""
+    inner = raw[1:]
+    chars: list[str] = []
+    index = 0
+    while index < len(inner):
+        char = inner[index]
+        if char == "\\":
+            if index + 1 >= len(inner) or inner[index + 1] not in '"\\':
+                raise InvalidIdempotencyKey("sf-string has an invalid escape")
+            chars.append(inner[index + 1])
+            index += 2
+            continue
+        if char == '"':
+            if index != len(inner) - 1:
+                raise InvalidIdempotencyKey(
+                    "only a single sf-string is allowed, with no parameters after it"
+                )
+            return "".join(chars)
+        if not 0x20 <= ord(char) <= 0x7E:
+            raise InvalidIdempotencyKey("sf-string holds a character outside printable ASCII")
+        chars.append(char)
+        index += 1
+    raise InvalidIdempotencyKey("sf-string has no closing quote")
+
+
+def parse_idempotency_key(headers: Headers, header_name: bytes) -> str | None:
+    """The key the client sent, ``None`` when absent; a malformed key raises."""
+    values = header_values(headers, header_name)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidIdempotencyKey("send exactly one Idempotency-Key field")
+    try:
+        raw = values[0].decode("ascii").strip(" \t")
+    except UnicodeDecodeError:
+        raise InvalidIdempotencyKey("the key must be visible ASCII") from None
+    key = _unquote_sf_string(raw) if raw.startswith('"') else raw
+    if not 1 <= len(key) <= MAX_KEY_LENGTH:
+        raise InvalidIdempotencyKey(f"the key must be 1 to {MAX_KEY_LENGTH} characters long")
+    if not _is_visible_ascii(key):
+        raise InvalidIdempotencyKey("the key must be visible ASCII (0x21 to 0x7E), no spaces")
+    return key
+
+
+def scope_of(headers: Headers, scope_headers: tuple[bytes, ...]) -> str:
+    """Who the client is, as a SHA-256 hex digest: the raw credential is never stored."""
+    digest = hashlib.sha256()
+    present = False
+    for name in scope_headers:
+        values = header_values(headers, name)
+        for value in values:
+            present = True
+            digest.update(name + b"\x00" + len(value).to_bytes(4, "big") + value)
+        digest.update(b"\x01")
+    return digest.hexdigest() if present else ANONYMOUS_SCOPE

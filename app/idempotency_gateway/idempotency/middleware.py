@@ -1,0 +1,163 @@
+"""``IdempotencyMiddleware``: a pure ASGI middleware that makes retried requests safe.
+
+Per ``(scope, operation, key)`` at most one execution commits; duplicates get the stored
+answer replayed, a 409 while the first runs, or a 422 when the key is reused for a different
+request. Requests a route does not cover go straight through with no store round trip.
+This module turns an ASGI request into a ``KeyedRequest``; ``engine`` decides its fate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from idempotency_gateway.asgi import (
+    ASGIApp,
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    replay_receive,
+)
+from idempotency_gateway.config import KeyPolicy, StoreUnavailablePolicy
+from idempotency_gateway.errors import (
+    GatewayError,
+    KeyReusedWithDifferentRequest,
+    MissingIdempotencyKey,
+    OperationTooLong,
+    RequestInFlight,
+    RequestRejected,
+    StoreUnavailable,
+)
+from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
+from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedRequest
+from idempotency_gateway.idempotency.fingerprint import request_hash
+from idempotency_gateway.idempotency.keys import parse_idempotency_key, scope_of
+from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
+from idempotency_gateway.idempotency.prefer import requested_wait
+from idempotency_gateway.idempotency.record import RecordKey
+from idempotency_gateway.idempotency.schema import OPERATION_MAX_LENGTH
+from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.idempotency.wakeups import LocalWakeups, Wakeups
+from idempotency_gateway.problems import send_problem
+from idempotency_gateway.request_id import request_id_of
+from idempotency_gateway.telemetry.request_log import note_outcome, request_log_of
+
+log = logging.getLogger(__name__)
+
+
+class IdempotencyMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: RecordStore,
+        policy: PolicySource,
+        cache: ReplayCache | None = None,
+        wakeups: Wakeups | None = None,
+        scope_headers: tuple[str, ...] = ("authorization",),
+        header_name: str = "Idempotency-Key",
+        max_request_body: int = 10 * 1024 * 1024,
+        store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED,
+        finalize_attempts: int = 3,
+    ) -> None:
+        self.app = app
+        self.policy_for = resolver_for(policy)
+        self.scope_headers = tuple(name.lower().encode("ascii") for name in scope_headers)
+        self.header_display_name = header_name
+        self.header_name = header_name.lower().encode("ascii")
+        self.max_request_body = max_request_body
+        self.store_unavailable = store_unavailable
+        self.engine = IdempotencyEngine(
+            app,
+            store=store,
+            # ``is None``, not ``or``: an empty InProcessCache is falsy (it has a length), and
+            # the gateway's own cache (the one the admin API clears) must be the one used.
+            cache=cache
+            if cache is not None
+            else InProcessCache(max_entries=10_000, max_bytes=64 * 1024 * 1024),
+            wakeups=wakeups if wakeups is not None else LocalWakeups(),
+            finalize_attempts=finalize_attempts,
+        )
+
+    @property
+    def executions(self) -> set[asyncio.Task[None]]:
+        """Executions in flight: shutdown waits for them to finalize."""
+        return self.engine.executions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        policy = self.policy_for(scope["path"])
+        if policy is None or not policy.covers(scope["method"]):
+            await self.app(scope, receive, send)
+            return
+        entry = request_log_of(scope)
+        if entry is not None:
+            entry.route = policy.name
+        try:
+            await self._protect(scope, receive, send, policy)
+        except ClientDisconnected:
+            return
+        except GatewayError as error:
+            if isinstance(error, RequestRejected) and not isinstance(
+                error, KeyReusedWithDifferentRequest | RequestInFlight
+            ):
+                note_outcome(scope, "rejected")
+            elif isinstance(error, StoreUnavailable):
+                note_outcome(scope, "store_unavailable")
+            await send_problem(send, error, request_id=request_id_of(scope))
+
+    async def _protect(
+        self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy
+    ) -> None:
+        headers = scope["headers"]
+        key = parse_idempotency_key(headers, self.header_name)
+        if key is None:
+            if policy.config.key is KeyPolicy.REQUIRED:
+                raise MissingIdempotencyKey(
+                    f"{self.header_display_name} is required for {scope['method']} on this route"
+                )
+            await self.app(scope, receive, send)
+            return
+        operation = policy.operation(scope["method"], scope["path"])
+        if len(operation) > OPERATION_MAX_LENGTH:
+            # The record could not hold it: refused before any store access, like a 413.
+            raise OperationTooLong(
+                f"the operation ({scope['method']} and the path) is longer than "
+                f"{OPERATION_MAX_LENGTH} characters; keyed requests need a shorter path"
+            )
+        if "\x00" in operation:
+            # PostgreSQL text cannot hold NUL: without this the store would fail (503).
+            raise RequestRejected("the path holds a NUL character (%00); keyed requests cannot")
+        body = await read_body(receive, headers, limit=self.max_request_body)
+        request = KeyedRequest(
+            scope=scope,
+            body=body,
+            send=send,
+            policy=policy,
+            key=RecordKey(
+                scope_of(headers, self.scope_headers),
+                operation,
+                key,
+            ),
+            fingerprint=request_hash(
+                method=scope["method"],
+                path=scope["path"],
+                query_string=scope.get("query_string", b""),
+                headers=headers,
+                body=body,
+                extra_headers=policy.fingerprint_headers,
+            ),
+            wait=min(requested_wait(headers) or 0, policy.config.wait_max),
+        )
+        try:
+            await self.engine.handle(request)
+        except StoreUnavailable:
+            if self.store_unavailable is StoreUnavailablePolicy.FAIL_CLOSED:
+                raise
+            log.warning("store unavailable: proxying without idempotency protection")
+            note_outcome(scope, "unprotected")
+            await self.app(scope, replay_receive(body), send)

@@ -1,0 +1,167 @@
+"""Capturing the owner's response as it streams, and replaying a stored one."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from idempotency_gateway.asgi import Headers, Message, Send
+from idempotency_gateway.errors import GatewayError
+from idempotency_gateway.idempotency.record import StoredResponse
+from idempotency_gateway.problems import problem_body, problem_headers
+
+log = logging.getLogger(__name__)
+
+REPLAYED_HEADER = (b"idempotent-replayed", b"true")
+BODY_OMITTED_HEADER = (b"idempotency-body-omitted", b"true")
+
+# Framing and per-response fields are made anew for every answer, never replayed.
+_NOT_STORED = frozenset(
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"date",
+        b"server",
+        b"x-request-id",
+    }
+)
+
+
+class ResponseCapture:
+    """Wraps ``send``: every message goes to the client at once and is teed for storage.
+
+    The client going away must not stop the execution, so a failing ``send`` only marks the
+    client as gone; capture continues and the answer is still stored for the retry.
+
+    The message that completes the client's answer (the end of the body, or the chunk that
+    reaches its Content-Length) is held back until ``release()``: a client that has its whole
+    answer may retry at once, and must then find the record final, not a 409.
+    """
+
+    def __init__(self, send: Send, *, max_stored_body: int) -> None:
+        self._send = send
+        self._limit = max_stored_body
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.status: int | None = None
+        self.headers: Headers = []
+        self.body_omitted = False
+        self.complete = False
+        self.client_gone = False
+        # The messages that would complete the client's answer, held back until release().
+        self._held: list[Message] = []
+        self._declared_length: int | None = None
+        self._body_seen = 0
+
+    @property
+    def started(self) -> bool:
+        return self.status is not None
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = list(message.get("headers", []))
+            self._declared_length = _content_length(self.headers)
+            if self._declared_length == 0 or self.status in (204, 304):
+                # The head alone completes a bodiless answer for the client.
+                self._held.append(message)
+                return
+        elif message["type"] == "http.response.body":
+            body = message.get("body", b"")
+            self._tee(body)
+            self._body_seen += len(body)
+            if not message.get("more_body", False):
+                self.complete = True
+            # With Content-Length framing the chunk that reaches the length already completes
+            # the answer for the client, before the empty closing message arrives.
+            if self.complete or self._held or self._body_seen == self._declared_length:
+                self._held.append(message)
+                return
+        await self._forward(message)
+
+    async def release(self) -> None:
+        """Send the held-back end of the response (call once the record is final)."""
+        held, self._held = self._held, []
+        for message in held:
+            await self._forward(message)
+
+    async def withdraw(self, replacement: StoredResponse) -> None:
+        """Never complete this answer. Before its head went out the client gets
+        ``replacement`` instead; after, the answer stays cut short (the server closes the
+        connection), so the client cannot mistake it for a whole one and retries."""
+        head_sent = self.started and not any(
+            message["type"] == "http.response.start" for message in self._held
+        )
+        self._held = []
+        if not head_sent:
+            await send_stored(self._forward, replacement, replayed=False)
+
+    async def _forward(self, message: Message) -> None:
+        if self.client_gone:
+            return
+        try:
+            await self._send(message)
+        except Exception:  # whatever the server raises for a closed connection
+            log.info("client went away; the execution continues and will be stored")
+            self.client_gone = True
+
+    def _tee(self, chunk: bytes) -> None:
+        if self.body_omitted or not chunk:
+            return
+        self._size += len(chunk)
+        if self._size > self._limit:
+            # Still delivered to the client; only the stored copy is given up.
+            self.body_omitted = True
+            self._chunks.clear()
+            return
+        self._chunks.append(chunk)
+
+    def stored_response(self) -> StoredResponse:
+        assert self.status is not None, "no response was started"
+        headers = [
+            (name.decode("latin-1"), value.decode("latin-1"))
+            for name, value in self.headers
+            if name.lower() not in _NOT_STORED
+        ]
+        body = b"" if self.body_omitted else b"".join(self._chunks)
+        return StoredResponse(self.status, headers, body, self.body_omitted)
+
+
+def _content_length(headers: Headers) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def stored_problem(error: GatewayError, request_id: str | None) -> StoredResponse:
+    """A problem response in the form the store keeps, for answers the gateway makes itself."""
+    body = problem_body(error, request_id=request_id)
+    headers = [
+        (name.decode(), value.decode())
+        for name, value in problem_headers(error, body)
+        if name != b"content-length"
+    ]
+    return StoredResponse(error.status, headers, body)
+
+
+async def send_stored(
+    send: Send,
+    response: StoredResponse,
+    *,
+    replayed: bool,
+    extra: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    headers: Headers = [
+        (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
+    ]
+    headers.append((b"content-length", str(len(response.body)).encode()))
+    if replayed:
+        headers.append(REPLAYED_HEADER)
+    if response.body_omitted:
+        headers.append(BODY_OMITTED_HEADER)
+    headers.extend(extra)
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})

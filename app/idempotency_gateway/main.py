@@ -1,0 +1,229 @@
+"""``create_gateway``: the ASGI app of the gateway, assembled from a config.
+
+    proxy port:  AccessLogMiddleware (request id, log line, metrics) -> IdempotencyMiddleware
+                   -> ProxyApp -> upstreams
+    admin port:  the admin FastAPI app (health, readiness, metrics, operator API)
+
+One ASGI app serves both listeners and tells them apart by the local port of the connection,
+so ``--workers N`` runs both in every worker with one lifespan. The same
+``IdempotencyMiddleware`` is what a library user wraps around their own app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from idempotency_gateway.asgi import Receive, Scope, Send
+from idempotency_gateway.config import (
+    CacheConfig,
+    EnvSettings,
+    GatewayConfig,
+    load_config,
+    validate_config,
+)
+from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
+from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
+from idempotency_gateway.idempotency.policy import RoutePolicy
+from idempotency_gateway.idempotency.redis_cache import RedisCache, connect_redis
+from idempotency_gateway.idempotency.store import RecordStore, utc_now
+from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
+from idempotency_gateway.migrate import upgrade_to_head_async
+from idempotency_gateway.operations.admin import AdminContext, create_admin_app
+from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
+from idempotency_gateway.operations.sweeper import Sweeper
+from idempotency_gateway.proxy.app import ProxyApp
+from idempotency_gateway.proxy.client import UpstreamClient
+from idempotency_gateway.proxy.resilient import ResilientUpstream
+from idempotency_gateway.resilience.breaker import BreakerState
+from idempotency_gateway.routing import PrefixRouter
+from idempotency_gateway.telemetry.metrics import (
+    BREAKER_STATE,
+    BREAKER_STATE_VALUES,
+    BREAKER_TRANSITIONS,
+)
+from idempotency_gateway.telemetry.request_log import AccessLogMiddleware
+
+log = logging.getLogger(__name__)
+
+# The CLI hands its resolved config to worker processes through this variable.
+RESOLVED_CONFIG_ENV = "GATEWAY_RESOLVED_CONFIG"
+EMBEDDED_DATABASE_URL = "sqlite+aiosqlite:///idempotency-gateway.db"
+# How long shutdown waits for in-flight executions to finish and finalize.
+DRAIN_TIMEOUT = 30.0
+
+
+def database_url_or_default(url: str | None) -> str:
+    return url or EMBEDDED_DATABASE_URL
+
+
+def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCache, Wakeups]:
+    """Redis when configured (shared by every gateway process), else in-process."""
+    if redis_url is None:
+        return (
+            InProcessCache(max_entries=config.max_entries, max_bytes=config.max_bytes),
+            LocalWakeups(),
+        )
+    publisher = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
+    subscriber = connect_redis(redis_url, timeout=None, connect_timeout=config.timeout)
+    cache = RedisCache(publisher, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
+    return cache, RedisWakeups(subscriber=subscriber, publisher=publisher, timeout=config.timeout)
+
+
+def _record_breaker_transition(upstream: str, old: BreakerState, new: BreakerState) -> None:
+    log.warning("breaker for upstream %s: %s -> %s", upstream, old.value, new.value)
+    BREAKER_TRANSITIONS.labels(upstream, old.value, new.value).inc()
+    BREAKER_STATE.labels(upstream).set(BREAKER_STATE_VALUES[new.value])
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        database_url: str | None = None,
+        redis_url: str | None = None,
+        admin_port: int | None = None,
+        admin_token: SecretStr | None = None,
+    ) -> None:
+        self.config = config
+        self.database_url = database_url_or_default(database_url)
+        self.admin_port = admin_port
+        self.store = RecordStore.from_url(self.database_url, config.store, clock=utc_now)
+        self.cache, self.wakeups = replay_layer(config.cache, redis_url)
+        self.clients = {
+            name: UpstreamClient(name, upstream) for name, upstream in config.upstreams.items()
+        }
+        self.upstreams = {
+            name: ResilientUpstream(client, on_breaker_transition=_record_breaker_transition)
+            for name, client in self.clients.items()
+        }
+        breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
+        self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
+        self.sweeper = Sweeper(self.store, config.sweeper)
+        policies = PrefixRouter(
+            (route.match.path_prefix, RoutePolicy(route.name, route.idempotency))
+            for route in config.routes
+        )
+        self.idempotency = IdempotencyMiddleware(
+            ProxyApp(config, self.upstreams),
+            store=self.store,
+            cache=self.cache,
+            wakeups=self.wakeups,
+            policy=policies.match,
+            scope_headers=config.scope.headers,
+            header_name=config.idempotency_header,
+            max_request_body=config.limits.max_request_body,
+            store_unavailable=config.store_unavailable,
+            finalize_attempts=config.store.finalize_attempts,
+        )
+        self.app = AccessLogMiddleware(self.idempotency)
+        self.admin = create_admin_app(
+            AdminContext(
+                store=self.store,
+                cache=self.cache,
+                breakers=breakers,
+                overrides=self.overrides,
+                scope_headers=tuple(name.encode() for name in config.scope.headers),
+                admin_token=admin_token,
+            )
+        )
+        self._background: list[asyncio.Task[None]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        server = scope.get("server")
+        if self.admin_port is not None and server is not None and server[1] == self.admin_port:
+            await self.admin(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def startup(self) -> None:
+        if self.store.engine.dialect.name == "sqlite":
+            # The embedded store belongs to this gateway alone: keep its schema current.
+            await upgrade_to_head_async(self.database_url)
+        for client in self.clients.values():
+            await client.start()
+        for name in self.upstreams:
+            BREAKER_STATE.labels(name).set(BREAKER_STATE_VALUES[BreakerState.CLOSED.value])
+        if isinstance(self.wakeups, RedisWakeups):
+            await self.wakeups.start()
+        self._background.append(asyncio.create_task(self.overrides.run()))
+        if self.config.sweeper.interval > 0:
+            self._background.append(asyncio.create_task(self.sweeper.run()))
+
+    async def shutdown(self) -> None:
+        pending = set(self.idempotency.executions)
+        if pending:
+            log.info("draining %d in-flight executions", len(pending))
+            _, still_running = await asyncio.wait(pending, timeout=DRAIN_TIMEOUT)
+            if still_running:
+                log.error("%d executions still running at shutdown", len(still_running))
+        for task in self._background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for client in self.clients.values():
+            await client.close()
+        await self.wakeups.close()
+        await self.cache.close()
+        await self.store.close()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def create_gateway(
+    config: GatewayConfig,
+    *,
+    database_url: str | None = None,
+    redis_url: str | None = None,
+    admin_port: int | None = None,
+    admin_token: SecretStr | None = None,
+) -> Gateway:
+    return Gateway(
+        config,
+        database_url=database_url,
+        redis_url=redis_url,
+        admin_port=admin_port,
+        admin_token=admin_token,
+    )
+
+
+def gateway_from_environment() -> Gateway:
+    """Factory for ``uvicorn --factory`` and for each ``serve --workers N`` process."""
+    settings = EnvSettings()
+    resolved = os.environ.get(RESOLVED_CONFIG_ENV)
+    if resolved is not None:
+        config = GatewayConfig.model_validate_json(resolved)
+    elif settings.config is not None:
+        config = load_config(Path(settings.config))
+    else:
+        config = validate_config({}, source="environment (set GATEWAY_CONFIG)")
+    return create_gateway(
+        config,
+        database_url=settings.database_url,
+        redis_url=settings.redis_url,
+        admin_port=settings.admin_port,
+        admin_token=settings.admin_token,
+    )

@@ -1,0 +1,343 @@
+"""The admin listener: health, readiness, metrics and the operator API (FastAPI, OpenAPI docs
+at ``/docs``). Served on its own port next to the proxy port.
+
+``/admin/*`` needs ``Authorization: Bearer <GATEWAY_ADMIN_TOKEN>``; with no token configured
+the admin API is off and says so. ``/healthz``, ``/readyz`` and ``/metrics`` are open: the
+admin port belongs on a private network.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the endpoint annotations,
+# including aliases defined inside ``create_admin_app``, at definition time.
+import asyncio
+import base64
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Self
+
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, SecretStr
+from sqlalchemy.exc import SQLAlchemyError
+
+from idempotency_gateway.errors import AdminError, GatewayError, StoreUnavailable
+from idempotency_gateway.idempotency.cache import ReplayCache
+from idempotency_gateway.idempotency.keys import scope_of
+from idempotency_gateway.idempotency.record import Record, RecordKey
+from idempotency_gateway.idempotency.redis_cache import RedisCache
+from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
+from idempotency_gateway.problems import problem_body
+from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.telemetry.metrics import exposition
+
+READINESS_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdminContext:
+    store: RecordStore
+    cache: ReplayCache
+    breakers: Mapping[str, CircuitBreaker]
+    overrides: BreakerOverrides
+    scope_headers: tuple[bytes, ...]
+    admin_token: SecretStr | None
+
+
+class StoredAnswerView(BaseModel):
+    status: int
+    headers: list[tuple[str, str]]
+    body_size: int
+    body_omitted: bool
+    body_base64: str | None = None
+
+
+class RecordView(BaseModel):
+    scope: str
+    operation: str
+    idempotency_key: str
+    request_hash: str
+    status: str
+    owner_id: str
+    fencing_token: int
+    attempts: int
+    lease_expires_at: datetime
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime
+    response: StoredAnswerView | None
+
+    @classmethod
+    def of(cls, record: Record, *, include_body: bool = False) -> Self:
+        answer = record.response
+        return cls(
+            scope=record.key.scope,
+            operation=record.key.operation,
+            idempotency_key=record.key.idempotency_key,
+            request_hash=record.request_hash,
+            status=record.status.value,
+            owner_id=record.owner_id,
+            fencing_token=record.fencing_token,
+            attempts=record.attempts,
+            lease_expires_at=record.lease_expires_at,
+            created_at=record.created_at,
+            updated_at=record.updated_at,
+            expires_at=record.expires_at,
+            response=None
+            if answer is None
+            else StoredAnswerView(
+                status=answer.status,
+                headers=answer.headers,
+                body_size=len(answer.body),
+                body_omitted=answer.body_omitted,
+                body_base64=base64.b64encode(answer.body).decode() if include_body else None,
+            ),
+        )
+
+
+class BreakerView(BaseModel):
+    name: str
+    state: str
+    calls: int
+    failures: int
+    slow_calls: int
+    override: str | None
+
+
+class ForcedState(StrEnum):
+    FORCED_OPEN = "forced_open"
+    FORCED_CLOSED = "forced_closed"
+    DISABLED = "disabled"
+    NORMAL = "normal"
+
+
+class BreakerCommand(BaseModel):
+    state: ForcedState
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document, as every admin error is answered."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    retryable: bool
+    request_id: str | None = None
+
+
+def _problems(**described: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for problem answers, so the document lists every status sent."""
+    content = {"application/problem+json": {"schema": Problem.model_json_schema()}}
+    return {
+        int(status.removeprefix("s")): {"description": text, "content": content}
+        for status, text in described.items()
+    }
+
+
+# What every /admin/* operation may answer besides its success (the token check, validation,
+# a missing record or upstream, a store or cache that does not answer).
+ADMIN_PROBLEMS = _problems(
+    s401="the admin token is missing or wrong",
+    s404="the admin API is off, or no such record or upstream",
+    s422="invalid parameters",
+    s503="the store or the replay cache does not answer",
+)
+
+
+def _problem_response(error: GatewayError, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        problem_body(error, request_id=None),
+        status_code=error.status,
+        media_type="application/problem+json",
+        headers=headers,
+    )
+
+
+def _not_found(detail: str) -> AdminError:
+    return AdminError(detail, status=404, slug="not-found", title="Not found")
+
+
+def create_admin_app(context: AdminContext) -> FastAPI:
+    app = FastAPI(
+        title="idempotency-gateway admin API",
+        description="Inspect and repair idempotency records; watch and force circuit breakers.",
+        version="1",
+    )
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_request: Request, error: GatewayError) -> Response:
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        if error.retry_after is not None:
+            headers = {"Retry-After": str(error.retry_after)}
+        return _problem_response(error, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, error: RequestValidationError) -> Response:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in item['loc'])}: {item['msg']}"
+            for item in error.errors()
+        )
+        return _problem_response(
+            AdminError(problems, status=422, slug="invalid-admin-request", title="Invalid request")
+        )
+
+    @app.exception_handler(SQLAlchemyError)
+    async def store_error(_request: Request, _error: SQLAlchemyError) -> Response:
+        return _problem_response(StoreUnavailable("the database did not answer"))
+
+    def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
+        if context.admin_token is None:
+            raise AdminError(
+                "the admin API is off: set GATEWAY_ADMIN_TOKEN to turn it on",
+                status=404,
+                slug="admin-api-off",
+                title="Admin API disabled",
+            )
+        expected = b"Bearer " + context.admin_token.get_secret_value().encode()
+        # Constant time: the comparison must not leak how much of a guess was right.
+        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
+            raise AdminError(
+                "send Authorization: Bearer <admin token>",
+                status=401,
+                slug="unauthorized",
+                title="Unauthorized",
+            )
+
+    def record_key(
+        operation: Annotated[str, Query(description="e.g. 'POST /v1/charges'", min_length=1)],
+        key: Annotated[str, Query(min_length=1, max_length=255)],
+        scope: Annotated[str | None, Query(description="scope hash, or 'anonymous'")] = None,
+        x_scope_credential: Annotated[
+            str | None,
+            Header(description="the client's credential; the gateway hashes it to the scope"),
+        ] = None,
+    ) -> RecordKey:
+        if (scope is None) == (x_scope_credential is None):
+            raise AdminError(
+                "give exactly one of the scope query parameter or the X-Scope-Credential header",
+                status=422,
+                slug="invalid-admin-request",
+                title="Invalid request",
+            )
+        if x_scope_credential is not None:
+            if len(context.scope_headers) != 1:
+                raise AdminError(
+                    "the scope combines several headers: give the scope hash instead",
+                    status=422,
+                    slug="invalid-admin-request",
+                    title="Invalid request",
+                )
+            header = (context.scope_headers[0], x_scope_credential.encode("latin-1"))
+            scope = scope_of([header], context.scope_headers)
+        assert scope is not None
+        return RecordKey(scope, operation, key)
+
+    admin: Any = {"dependencies": [Depends(require_token)], "responses": ADMIN_PROBLEMS}
+    RecordKeyParam = Annotated[RecordKey, Depends(record_key)]
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        responses={
+            503: {"description": "not ready: the store does not answer", "model": dict[str, str]}
+        },
+    )
+    async def readyz(response: Response) -> dict[str, str]:
+        checks = {"store": "ok", "cache": "in-process"}
+        try:
+            async with asyncio.timeout(READINESS_TIMEOUT):
+                await context.store.ping()
+        except (StoreUnavailable, TimeoutError):
+            checks["store"] = "down"
+        if isinstance(context.cache, RedisCache):
+            # A slow or absent Redis costs latency, never answers: degraded, still ready.
+            checks["cache"] = "ok" if await context.cache.ping() else "degraded"
+        ready = checks["store"] == "ok"
+        response.status_code = 200 if ready else 503
+        return {"status": "ready" if ready else "not ready", **checks}
+
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        body, content_type = exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/admin/records", **admin, tags=["records"])
+    async def get_record(key: RecordKeyParam, include_body: bool = False) -> RecordView:
+        record = await context.store.get(key)
+        if record is None:
+            raise _not_found("no record for that scope, operation and key")
+        return RecordView.of(record, include_body=include_body)
+
+    @app.get("/admin/records/stuck", **admin, tags=["records"])
+    async def stuck_records(
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[RecordView]:
+        """``IN_PROGRESS`` records whose lease ran out: their owner died or stalled."""
+        return [RecordView.of(record) for record in await context.store.list_stuck(limit=limit)]
+
+    async def change_record(key: RecordKey, change: str) -> dict[str, Any]:
+        # Cache out, record changed, cache out again: a replay that read the record just
+        # before the change cannot leave a stale copy behind.
+        cache_cleared = await context.cache.delete(key)
+        changed = await (
+            context.store.delete(key) if change == "deleted" else context.store.expire(key)
+        )
+        cache_cleared = await context.cache.delete(key) and cache_cleared
+        if not cache_cleared:
+            raise AdminError(
+                f"the record was {change if changed else 'already absent'} but its cache entry "
+                "could not be removed (Redis unreachable); retry",
+                status=503,
+                slug="cache-unavailable",
+                title="Replay cache unavailable",
+            )
+        if not changed:
+            raise _not_found("no record for that scope, operation and key")
+        return {change: True}
+
+    @app.delete("/admin/records", **admin, tags=["records"])
+    async def delete_record(key: RecordKeyParam) -> dict[str, Any]:
+        """Delete a record and its cache entry: the key may execute again."""
+        return await change_record(key, "deleted")
+
+    @app.post("/admin/records/expire", **admin, tags=["records"])
+    async def expire_record(key: RecordKeyParam) -> dict[str, Any]:
+        """Expire a record now (it stays readable until swept): the key may execute again."""
+        return await change_record(key, "expired")
+
+    def breaker_view(name: str, breaker: CircuitBreaker) -> BreakerView:
+        snapshot = breaker.snapshot()
+        override = context.overrides.override_of(name)
+        return BreakerView(
+            name=name,
+            state=snapshot.state.value,
+            calls=snapshot.calls,
+            failures=snapshot.failures,
+            slow_calls=snapshot.slow_calls,
+            override=override.value if override else None,
+        )
+
+    @app.get("/admin/breakers", **admin, tags=["breakers"])
+    async def list_breakers() -> list[BreakerView]:
+        """Breaker states as this gateway process sees them."""
+        return [breaker_view(name, breaker) for name, breaker in context.breakers.items()]
+
+    @app.put("/admin/breakers/{upstream}", **admin, tags=["breakers"])
+    async def force_breaker(upstream: str, command: BreakerCommand) -> BreakerView:
+        """Force a breaker for every gateway (applied everywhere within seconds), or
+        ``normal`` to hand it back to its failure counts."""
+        if upstream not in context.breakers:
+            raise _not_found(f"no upstream named {upstream!r}")
+        state = None if command.state is ForcedState.NORMAL else BreakerState(command.state.value)
+        await context.overrides.set(upstream, state)
+        return breaker_view(upstream, context.breakers[upstream])
+
+    return app

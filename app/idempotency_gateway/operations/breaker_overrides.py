@@ -1,0 +1,89 @@
+"""Operator-forced breaker states, shared by every gateway process through the database.
+
+Breakers live in each process; an operator forcing one open means the whole fleet. The admin
+API writes the override to ``breaker_overrides`` and applies it locally at once; every other
+process picks it up on its next sync (every ``interval`` seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from datetime import datetime
+
+from sqlalchemy import delete, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from idempotency_gateway.idempotency.schema import breaker_overrides
+from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.telemetry.degradation import DegradationLog
+
+log = logging.getLogger(__name__)
+
+SYNC_INTERVAL = 2.0
+
+
+class BreakerOverrides:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        breakers: Mapping[str, CircuitBreaker],
+        *,
+        clock: Callable[[], datetime],
+        interval: float = SYNC_INTERVAL,
+    ) -> None:
+        self.engine = engine
+        self.breakers = breakers
+        self.interval = interval
+        self._clock = clock
+        self._applied: dict[str, BreakerState | None] = dict.fromkeys(breakers)
+        self.degradation = DegradationLog(
+            "breaker overrides (database)", fallback="keeping the overrides in force"
+        )
+
+    def override_of(self, upstream: str) -> BreakerState | None:
+        return self._applied.get(upstream)
+
+    async def set(self, upstream: str, state: BreakerState | None) -> None:
+        """Force ``upstream``'s breaker fleet-wide (``None``: back to normal operation)."""
+        async with self.engine.connect() as connection:
+            if state is None:
+                await connection.execute(
+                    delete(breaker_overrides).where(breaker_overrides.c.upstream == upstream)
+                )
+            else:
+                dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
+                values = {"upstream": upstream, "state": state.value, "updated_at": self._clock()}
+                await connection.execute(
+                    dialect.insert(breaker_overrides)
+                    .values(values)
+                    .on_conflict_do_update(index_elements=["upstream"], set_=values)
+                )
+        self._apply(upstream, state)
+
+    async def sync_once(self) -> None:
+        async with self.engine.connect() as connection:
+            rows = (await connection.execute(select(breaker_overrides))).all()
+        wanted = {row.upstream: BreakerState(row.state) for row in rows}
+        for upstream in self.breakers:
+            self._apply(upstream, wanted.get(upstream))
+
+    def _apply(self, upstream: str, state: BreakerState | None) -> None:
+        if upstream not in self.breakers or self._applied.get(upstream) == state:
+            return
+        log.warning(
+            "breaker override for upstream %s: %s", upstream, state.value if state else "none"
+        )
+        self.breakers[upstream].force(state)
+        self._applied[upstream] = state
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+            except (SQLAlchemyError, OSError, TimeoutError) as exc:
+                self.degradation.failed(exc)
+            await asyncio.sleep(self.interval)

@@ -1,0 +1,38 @@
+"""The background sweeper: deletes expired records every ``interval``, in bounded batches.
+
+Each gateway process runs one; on PostgreSQL an advisory lock lets only one of them sweep at a
+time, so a fleet of gateways does the work once, not N times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from idempotency_gateway.config import SweeperConfig
+from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.telemetry.metrics import SWEPT_RECORDS
+
+log = logging.getLogger(__name__)
+
+
+class Sweeper:
+    def __init__(self, store: RecordStore, config: SweeperConfig) -> None:
+        self.store = store
+        self.config = config
+
+    async def sweep_once(self) -> int | None:
+        deleted = await self.store.sweep(batch_size=self.config.batch_size)
+        if deleted:
+            SWEPT_RECORDS.inc(deleted)
+            log.info("swept %d expired records", deleted)
+        return deleted
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval)
+            try:
+                await self.sweep_once()
+            except StoreUnavailable:
+                log.warning("sweep skipped: store unavailable")

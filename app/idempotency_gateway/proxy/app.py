@@ -1,0 +1,154 @@
+"""``ProxyApp``: a pure ASGI reverse proxy to named upstreams.
+
+Responses stream to the client as they arrive. Upstream failures become 502/504 problems,
+and the idempotency layer is told whether the request left (``NOT_EXECUTED``) or may have
+been acted on (``AMBIGUOUS``), which is what decides whether a key may run again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from idempotency_gateway.asgi import ClientDisconnected, Receive, Scope, Send, read_body
+from idempotency_gateway.config import GatewayConfig, OnAmbiguous, RouteConfig
+from idempotency_gateway.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
+from idempotency_gateway.execution import Outcome, execution_of
+from idempotency_gateway.problems import send_problem
+from idempotency_gateway.proxy.client import UpstreamRequest, UpstreamResponse
+from idempotency_gateway.proxy.deadline import Deadline
+from idempotency_gateway.proxy.headers import client_response_headers, upstream_request_headers
+from idempotency_gateway.proxy.resilient import (
+    IDEMPOTENT_METHODS,
+    SAFE_METHODS,
+    ResilientUpstream,
+    RetryPlan,
+)
+from idempotency_gateway.request_id import request_id_of
+from idempotency_gateway.routing import PrefixRouter
+from idempotency_gateway.telemetry.request_log import request_log_of
+
+
+class ResponseCutShort(Exception):
+    """The upstream's answer broke off mid-body; the server closes the client's connection."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    config: RouteConfig
+    upstream: ResilientUpstream
+
+
+class ProxyApp:
+    def __init__(self, config: GatewayConfig, upstreams: Mapping[str, ResilientUpstream]) -> None:
+        self.config = config
+        self.router = PrefixRouter(
+            (route.match.path_prefix, Route(route, upstreams[route.upstream]))
+            for route in config.routes
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1003})
+            return
+        try:
+            await self._forward(scope, receive, send)
+        except ClientDisconnected:
+            return
+        except UpstreamError as error:
+            self._report(scope, error)
+            await send_problem(send, error, request_id=request_id_of(scope))
+        except GatewayError as error:
+            await send_problem(send, error, request_id=request_id_of(scope))
+
+    def _report(self, scope: Scope, error: UpstreamError) -> None:
+        """Tell the idempotency layer whether the request left, and the client whether a
+        retry with its key will run again."""
+        execution = execution_of(scope)
+        if execution is None:
+            return
+        not_sent = isinstance(error, UpstreamNotSent)
+        execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
+        if not not_sent and self._retries_ambiguous(scope):
+            # The record stays retryable: the client's retry with the key runs again.
+            error.retryable = True
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.router.match(scope["path"])
+        if route is None:
+            raise NoRouteMatched(f"no route matches {scope['path']}")
+        entry = request_log_of(scope)
+        if entry is not None:
+            entry.route, entry.upstream = route.config.name, route.upstream.name
+        headers = scope["headers"]
+        body = await read_body(receive, headers, limit=self.config.limits.max_request_body)
+        url = self._upstream_url(route, scope)
+
+        def make_request(head_within: float) -> UpstreamRequest:
+            return UpstreamRequest(
+                method=scope["method"],
+                url=url,
+                headers=upstream_request_headers(
+                    scope,
+                    trusted_proxies=self.config.trusted_proxies,
+                    timeout_seconds=head_within,
+                ),
+                body=body,
+            )
+
+        deadline = Deadline.for_request(headers, route.upstream.client.config.timeouts.total)
+        response = await route.upstream.open(
+            make_request,
+            deadline=deadline,
+            plan=self._retry_plan(route, scope),
+            request_log=entry,
+        )
+        try:
+            await self._stream_back(scope, response, send)
+        except UpstreamError as error:
+            self._report(scope, error)
+            # The head already went out: a broken connection is the only honest signal left.
+            raise ResponseCutShort(str(error)) from error
+        finally:
+            response.release()
+
+    def _retries_ambiguous(self, scope: Scope) -> bool:
+        route = self.router.match(scope["path"])
+        return route is not None and route.config.idempotency.on_ambiguous is OnAmbiguous.RETRY
+
+    @staticmethod
+    def _retry_plan(route: Route, scope: Scope) -> RetryPlan:
+        method = scope["method"]
+        # A key forwarded upstream makes any method safe to resend: the record and the
+        # upstream both dedupe on it.
+        keyed = execution_of(scope) is not None
+        idempotency = route.config.idempotency
+        return RetryPlan(
+            idempotent=keyed or method in IDEMPOTENT_METHODS,
+            retry_ambiguous=method in SAFE_METHODS
+            or (keyed and idempotency.on_ambiguous is OnAmbiguous.RETRY),
+            ambiguous_statuses=idempotency.outcomes.ambiguous,
+        )
+
+    @staticmethod
+    def _upstream_url(route: Route, scope: Scope) -> str:
+        path: bytes = scope.get("raw_path") or scope["path"].encode()
+        query: bytes = scope.get("query_string", b"")
+        target = path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        return route.upstream.client.config.base_url + target
+
+    @staticmethod
+    async def _stream_back(scope: Scope, response: UpstreamResponse, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": client_response_headers(
+                    response.headers, scope.get("http_version", "1.1")
+                ),
+            }
+        )
+        async for chunk in response.chunks():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,238 @@
+"""``ResilientUpstream``: every attempt asks the breaker; retries only when they are safe.
+
+A retry is safe when the request never left (connect failure), or when the answer says it was
+not processed (``retry_on`` statuses, 429 and 503 by default) and the request is idempotent: a
+safe or idempotent method, or protected by an idempotency key that is forwarded upstream.
+Ambiguous failures (timeouts, lost connections, 502/504) are retried only where the route
+says ``on_ambiguous: retry`` (the upstream dedupes on the key) or the method is safe.
+Every attempt and every pause stays inside the request's deadline, and retries spend the
+upstream's retry budget. Each decision is logged with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from idempotency_gateway.config import CONNECT_FAILURE, UpstreamConfig
+from idempotency_gateway.errors import (
+    CircuitOpen,
+    DeadlineExhausted,
+    UpstreamConnectionLost,
+    UpstreamError,
+    UpstreamNotSent,
+    UpstreamTimeout,
+)
+from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
+from idempotency_gateway.proxy.deadline import Deadline
+from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
+from idempotency_gateway.resilience.breaker import CircuitBreaker, TransitionListener
+from idempotency_gateway.resilience.budget import RetryBudget
+from idempotency_gateway.telemetry.metrics import (
+    RETRY_BUDGET_EXHAUSTED,
+    UPSTREAM_ATTEMPT_DURATION,
+    UPSTREAM_ATTEMPTS,
+    UPSTREAM_RETRIES,
+)
+from idempotency_gateway.telemetry.request_log import RequestLog
+
+log = logging.getLogger(__name__)
+
+# An attempt with less time than this cannot get an answer; failing fast is kinder.
+MIN_ATTEMPT_TIME = 0.005
+
+_ERROR_RESULTS: dict[type[UpstreamError], str] = {
+    UpstreamNotSent: "connect_error",
+    UpstreamTimeout: "timeout",
+    UpstreamConnectionLost: "connection_lost",
+}
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+IDEMPOTENT_METHODS = SAFE_METHODS | {"PUT", "DELETE"}
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPlan:
+    """What the request itself allows: decided by the proxy from method and key."""
+
+    idempotent: bool
+    retry_ambiguous: bool
+    ambiguous_statuses: frozenset[int]
+
+
+RequestFactory = Callable[[float], UpstreamRequest]
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class ResilientUpstream:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+        uniform: Callable[[float, float], float] = random.uniform,
+        on_breaker_transition: TransitionListener | None = None,
+    ) -> None:
+        self.client = client
+        self.name = client.name
+        config: UpstreamConfig = client.config
+        self.retry = config.retry
+        self.breaker_failures = config.breaker.failure_on
+        self.breaker = CircuitBreaker(
+            client.name, config.breaker, clock=clock, on_transition=on_breaker_transition
+        )
+        self.budget = RetryBudget(
+            ratio=config.retry.budget.ratio,
+            min_per_second=config.retry.budget.min_per_second,
+            window=config.retry.budget.window,
+            clock=clock,
+        )
+        self._sleep = sleep
+        self._uniform = uniform
+        self.per_try = config.timeouts.per_try
+
+    async def open(
+        self,
+        make_request: RequestFactory,
+        *,
+        deadline: Deadline,
+        plan: RetryPlan,
+        request_log: RequestLog | None = None,
+    ) -> UpstreamResponse:
+        """The response to stream back (the caller releases it), or the last failure."""
+        self.budget.record_request()
+        attempt = 0
+        while True:
+            attempt += 1
+            time_left = deadline.remaining()
+            if time_left < MIN_ATTEMPT_TIME:
+                raise DeadlineExhausted(
+                    f"the request's deadline ran out before attempt {attempt} to {self.name!r}"
+                )
+            try:
+                permit = self.breaker.acquire()
+            except CircuitOpen:
+                UPSTREAM_ATTEMPTS.labels(self.name, "circuit_open").inc()
+                raise
+            if request_log is not None:
+                request_log.attempts = attempt
+            head_within = min(self.per_try, time_left)
+            started = time.perf_counter()
+            try:
+                response = await self.client.open(
+                    make_request(head_within), head_within=head_within
+                )
+            except UpstreamError as error:
+                self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
+                self.breaker.record(permit, failure=self._error_is_failure(error))
+                reason = self._why_not_retry_error(error, plan)
+                if reason is None:
+                    reason = await self._pause_before_retry(attempt, None, deadline, str(error))
+                if reason is not None:
+                    self._log_final(attempt, type(error).__name__, reason)
+                    raise
+                continue
+            self._measure(started, f"{response.status // 100}xx")
+            self.breaker.record(permit, failure=self._status_is_failure(response.status))
+            reason = self._why_not_retry_status(response.status, plan)
+            if reason is None:
+                retry_after = parse_retry_after(response.header("retry-after"))
+                reason = await self._pause_before_retry(
+                    attempt, retry_after, deadline, f"status {response.status}", response
+                )
+            if reason is not None:
+                # Plain answers (2xx, 404) need no explanation; a retryable status that was
+                # not retried (429 past the deadline, budget spent) does.
+                status = response.status
+                if attempt > 1 or status >= 500 or status in self.retry.retry_statuses:
+                    self._log_final(attempt, f"status {status}", reason)
+                return response
+
+    def _why_not_retry_error(self, error: UpstreamError, plan: RetryPlan) -> str | None:
+        if isinstance(error, UpstreamNotSent):
+            if CONNECT_FAILURE in self.retry.retry_on:
+                return None
+            return "connect-failure is not in retry_on"
+        if plan.retry_ambiguous:
+            return None
+        return "the request was sent and may have been processed (ambiguous)"
+
+    def _why_not_retry_status(self, status: int, plan: RetryPlan) -> str | None:
+        if status < 400:
+            return "success"
+        if status in plan.ambiguous_statuses and status not in self.retry.retry_statuses:
+            if plan.retry_ambiguous:
+                return None
+            return f"{status} is ambiguous and the route does not retry ambiguous failures"
+        if status not in self.retry.retry_statuses:
+            return f"{status} is not in retry_on"
+        if not plan.idempotent:
+            return "the request is not idempotent (no idempotency key, unsafe method)"
+        return None
+
+    async def _pause_before_retry(
+        self,
+        attempt: int,
+        retry_after: float | None,
+        deadline: Deadline,
+        cause: str,
+        response: UpstreamResponse | None = None,
+    ) -> str | None:
+        """Sleep before the next attempt; or say why there will be none."""
+        if attempt >= self.retry.max_attempts:
+            return f"max_attempts ({self.retry.max_attempts}) reached"
+        delay = pause_before_retry(
+            attempt,
+            retry_after=retry_after,
+            base=self.retry.base,
+            cap=self.retry.cap,
+            uniform=self._uniform,
+        )
+        if delay + MIN_ATTEMPT_TIME >= deadline.remaining():
+            return f"a pause of {delay:.3f}s would not leave time for another attempt"
+        if not self.budget.try_withdraw():
+            RETRY_BUDGET_EXHAUSTED.labels(self.name).inc()
+            return "the retry budget is exhausted"
+        UPSTREAM_RETRIES.labels(self.name).inc()
+        if response is not None:
+            response.release()
+        log.info(
+            "retrying upstream %s after %s: attempt %d of %d in %.3fs",
+            self.name,
+            cause,
+            attempt + 1,
+            self.retry.max_attempts,
+            delay,
+        )
+        await self._sleep(delay)
+        return None
+
+    def _measure(self, started: float, result: str) -> None:
+        UPSTREAM_ATTEMPT_DURATION.labels(self.name).observe(time.perf_counter() - started)
+        UPSTREAM_ATTEMPTS.labels(self.name, result).inc()
+
+    def _log_final(self, attempts: int, outcome: str, reason: str) -> None:
+        log.info(
+            "not retrying upstream %s after %s (%d attempts): %s",
+            self.name,
+            outcome,
+            attempts,
+            reason,
+        )
+
+    def _error_is_failure(self, error: UpstreamError) -> bool:
+        if isinstance(error, UpstreamNotSent):
+            return CONNECT_FAILURE in self.breaker_failures
+        if isinstance(error, UpstreamTimeout):
+            return "timeout" in self.breaker_failures
+        if isinstance(error, UpstreamConnectionLost):
+            return "connection-lost" in self.breaker_failures
+        return True
+
+    def _status_is_failure(self, status: int) -> bool:
+        return status in self.breaker_failures or (status >= 500 and "5xx" in self.breaker_failures)

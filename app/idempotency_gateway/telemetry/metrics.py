@@ -1,0 +1,147 @@
+"""Prometheus metrics, prefix ``idempotency_gateway_``.
+
+With ``serve --workers N`` every worker writes its samples to ``PROMETHEUS_MULTIPROC_DIR`` and
+a scrape of any worker reads them all, so ``/metrics`` shows the sum over workers (the CLI sets
+the directory up before the workers start). Labels are bounded: route and upstream names from
+the config, operation names and outcome words, never paths, keys or credentials.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV
+
+PREFIX = "idempotency_gateway_"
+
+# Proxy latencies: sub-millisecond replays up to the 30 s default deadline.
+_REQUEST_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+)
+# Store and cache statements: fractions of a millisecond to the 2 s statement timeout.
+_STORAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2)
+
+REQUESTS = Counter(
+    PREFIX + "requests_total",
+    "Requests by route and idempotency outcome",
+    ["route", "outcome"],
+)
+REQUEST_DURATION = Histogram(
+    PREFIX + "request_duration_seconds",
+    "Time from request to the end of the response, by route and outcome",
+    ["route", "outcome"],
+    buckets=_REQUEST_BUCKETS,
+)
+UPSTREAM_ATTEMPTS = Counter(
+    PREFIX + "upstream_attempts_total",
+    "Attempts sent to upstreams, by result (status class or failure kind)",
+    ["upstream", "result"],
+)
+UPSTREAM_ATTEMPT_DURATION = Histogram(
+    PREFIX + "upstream_attempt_duration_seconds",
+    "Time until an upstream answered with a response head (or failed)",
+    ["upstream"],
+    buckets=_REQUEST_BUCKETS,
+)
+UPSTREAM_RETRIES = Counter(
+    PREFIX + "upstream_retries_total",
+    "Retries the gateway made, by upstream",
+    ["upstream"],
+)
+RETRY_BUDGET_EXHAUSTED = Counter(
+    PREFIX + "retry_budget_exhausted_total",
+    "Retries refused because the upstream's retry budget was empty",
+    ["upstream"],
+)
+BREAKER_STATE = Gauge(
+    PREFIX + "breaker_state",
+    "Circuit breaker state: 0 closed, 1 half_open, 2 open, 3 forced_open, "
+    "4 forced_closed, 5 disabled (worst over workers)",
+    ["upstream"],
+    multiprocess_mode="max",
+)
+BREAKER_TRANSITIONS = Counter(
+    PREFIX + "breaker_transitions_total",
+    "Circuit breaker state changes",
+    ["upstream", "from_state", "to_state"],
+)
+STORE_LATENCY = Histogram(
+    PREFIX + "store_latency_seconds",
+    "Durable store statement latency by operation",
+    ["operation"],
+    buckets=_STORAGE_BUCKETS,
+)
+STORE_ERRORS = Counter(
+    PREFIX + "store_errors_total",
+    "Durable store statements that failed (store unavailable)",
+    ["operation"],
+)
+CACHE_LATENCY = Histogram(
+    PREFIX + "cache_latency_seconds",
+    "Replay cache latency by operation",
+    ["operation"],
+    buckets=_STORAGE_BUCKETS,
+)
+CACHE_LOOKUPS = Counter(
+    PREFIX + "cache_lookups_total",
+    "Replay cache lookups by result: hit, miss, error",
+    ["result"],
+)
+FENCED_WRITES = Counter(
+    PREFIX + "fenced_writes_total",
+    "Writes by an owner that had been fenced off (they changed nothing)",
+    ["write"],
+)
+TAKEOVERS = Counter(
+    PREFIX + "takeovers_total",
+    "Records taken over by a new execution, by reason",
+    ["reason"],
+)
+SWEPT_RECORDS = Counter(
+    PREFIX + "swept_records_total",
+    "Expired records deleted by the sweeper",
+)
+
+BREAKER_STATE_VALUES = {
+    "closed": 0,
+    "half_open": 1,
+    "open": 2,
+    "forced_open": 3,
+    "forced_closed": 4,
+    "disabled": 5,
+}
+
+
+def exposition() -> tuple[bytes, str]:
+    """The scrape body: every worker's samples when running multiprocess."""
+    if os.environ.get(MULTIPROCESS_ENV):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    from prometheus_client import REGISTRY
+
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -1,1 +1,0 @@
-"""Operations: metrics, structured request logs, the admin listener, the sweeper."""
