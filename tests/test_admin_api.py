@@ -1,4 +1,4 @@
-"""The operator API on the admin listener does what SPEC section 8 promises.
+"""The operator API on the admin listener does what contract section 8 promises.
 
 Proves that every ``/admin`` endpoint answers only the right bearer token (401 problems with
 ``WWW-Authenticate: Bearer`` otherwise, and a 404 problem saying the API is off when no token

@@ -1,4 +1,4 @@
-"""The building blocks of resilience toward upstreams (SPEC section 7), on a hand-moved clock.
+"""The building blocks of resilience toward upstreams (contract section 7), on a hand-moved clock.
 
 Full-jitter backoff stays under ``min(cap, base * 2**n)``; ``Retry-After`` parses as seconds or
 an HTTP-date and garbage is ignored; the retry budget never lets retries exceed its share of

@@ -1,4 +1,4 @@
-"""The ``idempotency-gateway`` command line does what SPEC section 10 promises.
+"""The ``idempotency-gateway`` command line does what contract section 10 promises.
 
 ``serve --upstream URL`` alone starts a protecting gateway on the embedded SQLite store in the
 working directory; bad invocations and bad config files exit 2 naming the problem; ``migrate``

@@ -1,4 +1,4 @@
-"""The YAML configuration: SPEC section 10's example loads as written, every mistake is an error
+"""The YAML configuration: contract section 10's example loads as written, every mistake is an error
 that names the field it concerns, durations and sizes parse as documented, and
 ``check-config`` exits 2 listing every error, or prints YAML that loads back into the same config.
 """
@@ -28,8 +28,8 @@ from idempotency_gateway.config import (
     validate_config,
 )
 
-# SPEC.md section 10, verbatim.
-SPEC_EXAMPLE = textwrap.dedent(
+# docs/CONTRACT.md section 10, verbatim.
+CONTRACT_EXAMPLE = textwrap.dedent(
     """\
     upstreams:
       payments:
@@ -98,7 +98,7 @@ UNUSUAL_EXAMPLE = textwrap.dedent(
 
 
 def spec_example() -> dict[str, Any]:
-    return copy.deepcopy(yaml.safe_load(SPEC_EXAMPLE))
+    return copy.deepcopy(yaml.safe_load(CONTRACT_EXAMPLE))
 
 
 def valid_config() -> dict[str, Any]:
@@ -160,11 +160,11 @@ def write(tmp_path: Path) -> Callable[[str], Path]:
     return write_text
 
 
-# ------------------------------------------------------------------------- the SPEC example
+# ------------------------------------------------------------------------- the contract's example
 
 
 def test_spec_example_loads_as_written(write: Callable[[str], Path]) -> None:
-    config = load_config(write(SPEC_EXAMPLE))
+    config = load_config(write(CONTRACT_EXAMPLE))
 
     payments = config.upstreams["payments"]
     assert payments.base_url == "http://127.0.0.1:9000"

@@ -1,7 +1,7 @@
-"""What a client sees from the gateway over real HTTP (SPEC sections 4 and 5).
+"""What a client sees from the gateway over real HTTP (contract sections 4 and 5).
 
 The real gateway (``create_gateway``, lifespan on) runs on loopback in front of a recording
-upstream, on PostgreSQL and on SQLite. Each test walks one row of the SPEC section 5 table or
+upstream, on PostgreSQL and on SQLite. Each test walks one row of the contract section 5 table or
 one edge of the record state machine and asserts the status, the RFC 9457 problem document, and
 the exact number of times the upstream executed the request.
 """
@@ -85,7 +85,7 @@ def assert_problem(
     retryable: bool,
     request_id: str | None = None,
 ) -> dict[str, Any]:
-    """An RFC 9457 document with every member SPEC section 5 promises."""
+    """An RFC 9457 document with every member contract section 5 promises."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == PROBLEM_CONTENT_TYPE.decode()
     problem: dict[str, Any] = response.json()

@@ -1,6 +1,6 @@
-"""The key parser accepts exactly what SPEC section 3 allows, the scope never reveals or mixes up
-credentials, and the request fingerprint tells a faithful retry from a different request without
-ever raising on a hostile body."""
+"""The key parser accepts exactly what contract section 3 allows, the scope never reveals or
+mixes up credentials, and the request fingerprint tells a faithful retry from a different
+request without ever raising on a hostile body."""
 
 from __future__ import annotations
 

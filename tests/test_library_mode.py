@@ -1,4 +1,4 @@
-"""``IdempotencyMiddleware`` as a library inside a user's own FastAPI app (SPEC section 1).
+"""``IdempotencyMiddleware`` as a library inside a user's own FastAPI app (contract section 1).
 
 The app is served by uvicorn over loopback with a real store (PostgreSQL and SQLite): replays,
 422 and 409, the fencing token handed to the endpoint, an endpoint reporting that it did not

@@ -1,4 +1,4 @@
-"""What operators watch: Prometheus metrics, structured logs and readiness (SPEC section 8).
+"""What operators watch: Prometheus metrics, structured logs and readiness (contract section 8).
 
 Proves that ``/metrics`` on the admin port counts known traffic exactly, summed over the
 workers of ``serve --workers 2`` whichever worker answers the scrape (each worker is made to

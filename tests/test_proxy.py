@@ -1,4 +1,4 @@
-"""The gateway as an HTTP intermediary (SPEC section 6), over real loopback HTTP.
+"""The gateway as an HTTP intermediary (contract section 6), over real loopback HTTP.
 
 Requests that idempotency does not cover (GET, PUT) pass through the real gateway to a
 recording upstream. The tests check what the upstream receives and what the client gets back:

@@ -1,4 +1,4 @@
-"""Retries toward upstreams are safe, bounded and explained (SPEC section 7).
+"""Retries toward upstreams are safe, bounded and explained (contract section 7).
 
 First the retry loop itself (``ResilientUpstream`` with a real aiohttp client against a recording
 upstream, on a hand-moved clock with a fake ``sleep``): ``Retry-After`` and full jitter set the
