@@ -8,12 +8,11 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-import idempotency_gateway
 from idempotency_gateway.idempotency.store import normalize_database_url
 
 
 def migrations_directory() -> Path:
-    package = Path(idempotency_gateway.__file__).parent
+    package = Path(__file__).parent
     # A wheel carries the scripts inside the package; a checkout keeps them at its root.
     installed = package / "migrations"
     return installed if installed.is_dir() else package.parent.parent / "migrations"

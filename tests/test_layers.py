@@ -1,0 +1,84 @@
+"""Imports only point down: the package's folders are its layers (docs/ARCHITECTURE.md).
+
+A module may import from its own folder and from any layer below its own; never from a layer
+above, and never from a sibling package of the same layer (``idempotency`` and ``proxy`` share
+only what lies below them, such as ``execution``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import idempotency_gateway
+
+PACKAGE = Path(idempotency_gateway.__file__).parent
+NAME = "idempotency_gateway"
+
+# Lowest first. A name is a top-level module or a folder of the package.
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"errors", "config", "routing"}),
+    frozenset({"asgi"}),
+    frozenset({"problems", "request_id", "execution"}),
+    frozenset({"telemetry"}),
+    frozenset({"resilience"}),
+    frozenset({"idempotency", "proxy"}),
+    frozenset({"operations", "migrate"}),
+    frozenset({"main", "serve", "client"}),
+    frozenset({"demo"}),
+    frozenset({"cli"}),
+    # The public API re-exports from every layer; nothing inside the package imports it.
+    frozenset({"__init__"}),
+)
+
+
+def _unit_of(module: str) -> str:
+    """``idempotency_gateway.proxy.app`` -> ``proxy``; ``idempotency_gateway`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer_of(unit: str) -> int:
+    for index, layer in enumerate(LAYERS):
+        if unit in layer:
+            return index
+    raise AssertionError(f"{unit} belongs to no layer: add it to LAYERS in {__file__}")
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+    return [name for name in found if name == NAME or name.startswith(NAME + ".")]
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_folder_and_module_has_a_layer() -> None:
+    units = {_unit_of(_module_name(path)) for path in MODULES}
+    for unit in units:
+        _layer_of(unit)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))
+def test_imports_point_down(path: Path) -> None:
+    importer = _unit_of(_module_name(path))
+    upward = [
+        imported
+        for imported in _imports(path)
+        if (unit := _unit_of(imported)) != importer and _layer_of(unit) >= _layer_of(importer)
+    ]
+    assert not upward, f"{path.relative_to(PACKAGE)} imports from its own layer or above: {upward}"
