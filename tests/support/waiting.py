@@ -5,18 +5,36 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
 
+# Two overloads so mypy sees through both sync and async predicates, and through the ``None``
+# a predicate returns while it is not met yet: what comes back is always the truthy value.
+@overload
 async def eventually(
-    predicate: Callable[[], T | Awaitable[T]],
+    predicate: Callable[[], Awaitable[T | None]],
+    *,
+    timeout: float = ...,  # noqa: ASYNC109
+    interval: float = ...,
+    message: str | None = ...,
+) -> T: ...
+@overload
+async def eventually(
+    predicate: Callable[[], T | None],
+    *,
+    timeout: float = ...,  # noqa: ASYNC109
+    interval: float = ...,
+    message: str | None = ...,
+) -> T: ...
+async def eventually(
+    predicate: Callable[[], Any],
     *,
     timeout: float = 10.0,  # noqa: ASYNC109 - a deadline is this helper's purpose
     interval: float = 0.02,
     message: str | None = None,
-) -> T:
+) -> Any:
     """Call ``predicate`` (sync or async) until it returns something truthy; return that value.
 
     Raises ``AssertionError`` when ``timeout`` seconds pass first. An exception raised by the
