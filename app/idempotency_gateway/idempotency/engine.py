@@ -179,7 +179,7 @@ class IdempotencyEngine:
             ),
             request_id_of(request.scope),
         )
-        run = OwnerRun(self.store, record, lease=request.config.lease)
+        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
         recorded = await self._record(request, run, Status.FAILED_FINAL, answer)
         await send_stored(
             request.send,
@@ -205,7 +205,7 @@ class IdempotencyEngine:
             (FENCING_TOKEN_HEADER, str(record.fencing_token).encode()),
         ]
         inner_scope["state"] = {**request.scope.get("state", {}), STATE_KEY: execution}
-        run = OwnerRun(self.store, record, lease=request.config.lease)
+        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
         capture = ResponseCapture(request.send, max_stored_body=request.config.max_stored_body)
         async with run.heartbeat():
             try:

@@ -15,9 +15,11 @@ from sqlalchemy import (
     Update,
     and_,
     bindparam,
+    case,
     delete,
     exists,
     literal,
+    or_,
     select,
     update,
 )
@@ -77,11 +79,19 @@ RESERVE_SQLITE = (
     sqlite.insert(records).values(_NEW_ROW).on_conflict_do_nothing().returning(*records.c)
 )
 
+
+def not_live(now: ColumnElement[Any]) -> ColumnElement[bool]:
+    """No owner holds a live lease: the only rows a take-over or the sweeper may touch, so an
+    execution in flight is never stolen or deleted, whatever its TTL says."""
+    return or_(_c.status != Status.IN_PROGRESS.value, _c.lease_expires_at <= now)
+
+
 _SEEN_UNCHANGED = and_(
     KEY_MATCHES,
     _c.status == bindparam("s_status"),
     _c.owner_id == bindparam("s_owner"),
     _c.fencing_token == bindparam("s_token"),
+    not_live(_param("t_live_at", "lease_expires_at")),
 )
 _RESTART = {
     "request_hash": _param("t_request_hash", "request_hash"),
@@ -136,6 +146,12 @@ FINALIZE = (
         response_body=_param("u_response_body", "response_body"),
         body_compressed=_param("u_body_compressed", "body_compressed"),
         body_omitted=_param("u_body_omitted", "body_omitted"),
+        # An execution that outlived its TTL keeps its answer a full TTL from now: otherwise
+        # the client's retry would find the key forgotten and execute it a second time.
+        expires_at=case(
+            (_c.expires_at <= _param("u_now_check", "expires_at"), _param("u_keep", "expires_at")),
+            else_=_c.expires_at,
+        ),
     )
 )
 

@@ -248,6 +248,7 @@ class RecordStore:
             "t_owner": claim.owner_id,
             "t_lease_expires_at": now + timedelta(seconds=claim.lease),
             "t_now": now,
+            "t_live_at": now,
         }
         statement = statements.TAKE_OVER
         if seen.is_expired(now):
@@ -266,11 +267,25 @@ class RecordStore:
         return bool(result.rowcount)
 
     async def finalize(
-        self, key: RecordKey, fence: Fence, *, status: Status, response: StoredResponse | None
+        self,
+        key: RecordKey,
+        fence: Fence,
+        *,
+        status: Status,
+        response: StoredResponse | None,
+        ttl: float,
     ) -> bool:
-        """Record the outcome; ``False`` means this owner was fenced off and nothing changed."""
+        """Record the outcome; ``False`` means this owner was fenced off and nothing changed.
+        A record already past its expiry (a live execution outlived it) is kept ``ttl``
+        seconds from now, so its answer can be replayed."""
+        now = self.clock()
         params: dict[str, Any] = statements.key_params(key) | _fence_params(fence)
-        params |= {"u_status": status.value, "u_now": self.clock()}
+        params |= {
+            "u_status": status.value,
+            "u_now": now,
+            "u_now_check": now,
+            "u_keep": now + timedelta(seconds=ttl),
+        }
         if response is None:
             params |= {
                 "u_response_status": None,
@@ -330,9 +345,10 @@ class RecordStore:
         """Delete expired records in batches until none are left (or ``max_batches`` ran);
         ``None`` when another sweeper holds the lock (a PostgreSQL advisory lock: one sweeper
         at a time across every gateway)."""
+        now = self.clock()
         expired = (
             select(records.c.scope, records.c.operation, records.c.idempotency_key)
-            .where(records.c.expires_at <= self.clock())
+            .where(records.c.expires_at <= now, statements.not_live(literal(now)))
             .limit(batch_size)
         )
         if self._is_postgres:
