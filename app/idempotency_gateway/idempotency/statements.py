@@ -1,8 +1,8 @@
-"""The store's hot statements, built once with bound parameters.
+"""The SQLite store's statements (and the shared key match), built once with bound parameters.
 
 Building a SQLAlchemy construct (and its cache key) for every request cost more CPU than the
 database round trips it described; built once here, each execution only binds values and
-hits SQLAlchemy's compiled cache (and asyncpg's prepared statement cache) directly.
+hits SQLAlchemy's compiled cache directly. PostgreSQL's live in ``postgres_sql``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from sqlalchemy import (
     bindparam,
     case,
     delete,
-    exists,
-    literal,
     or_,
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
 
 from idempotency_gateway.idempotency.record import RecordKey, Status
 from idempotency_gateway.idempotency.schema import records
@@ -62,19 +60,6 @@ _NEW_ROW = {
 
 SELECT_RECORD: Select[Any] = select(records).where(KEY_MATCHES)
 
-_inserted = (
-    postgresql.insert(records)
-    .values(_NEW_ROW)
-    .on_conflict_do_nothing(index_elements=["scope", "operation", "idempotency_key"])
-    .returning(*records.c)
-    .cte("inserted")
-)
-# PostgreSQL: insert, or read the row that holds the key, in one round trip.
-RESERVE_POSTGRES = select(literal(True).label("reserved"), *_inserted.c).union_all(
-    select(literal(False).label("reserved"), *records.c).where(
-        KEY_MATCHES, ~exists(select(_inserted.c.scope))
-    )
-)
 RESERVE_SQLITE = (
     sqlite.insert(records).values(_NEW_ROW).on_conflict_do_nothing().returning(*records.c)
 )
@@ -156,8 +141,3 @@ FINALIZE = (
 )
 
 DELETE_RECORD = delete(records).where(KEY_MATCHES)
-EXPIRE_RECORD = (
-    update(records)
-    .where(KEY_MATCHES)
-    .values(expires_at=_param("e_now", "expires_at"), updated_at=_param("e_now2", "updated_at"))
-)
