@@ -29,6 +29,7 @@ from idempotency_gateway.idempotency.store import (
     Clock,
     RecordStore,
     Reservation,
+    asyncpg_dsn_of,
     encode_body,
     record_from_row,
     store_errors,
@@ -47,11 +48,6 @@ async def _decode_json(connection: asyncpg.Connection) -> None:
     )
 
 
-def asyncpg_dsn(engine: AsyncEngine) -> str:
-    """The engine's URL as libpq spells it (no ``+asyncpg`` driver suffix)."""
-    return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 class PostgresRecordStore(RecordStore):
     def __init__(
         self, engine: AsyncEngine, config: StoreConfig, *, clock: Clock | None = None
@@ -67,7 +63,7 @@ class PostgresRecordStore(RecordStore):
         async with self._pool_lock:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
-                    asyncpg_dsn(self.engine),
+                    asyncpg_dsn_of(self.engine.url),
                     min_size=0,
                     max_size=self.config.pool_size,
                     reset=_keep_session,

@@ -35,6 +35,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.functions import now as db_now
@@ -138,6 +139,12 @@ def normalize_database_url(url: str) -> str:
         if url.startswith(plain):
             return async_driver + url[len(plain) :]
     return url
+
+
+def asyncpg_dsn_of(url: str | URL) -> str:
+    """A PostgreSQL URL as asyncpg and libpq spell it (no ``+asyncpg`` driver suffix)."""
+    parsed = make_url(normalize_database_url(url) if isinstance(url, str) else url)
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
