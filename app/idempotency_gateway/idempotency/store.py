@@ -30,8 +30,10 @@ from sqlalchemy import (
     delete,
     event,
     func,
+    inspect,
     literal,
     select,
+    text,
     tuple_,
     update,
 )
@@ -252,6 +254,17 @@ class RecordStore:
     async def ping(self) -> None:
         async with self._connection("ping") as connection:
             await connection.execute(select(literal(1)))
+
+    async def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at; ``None`` before the first migration."""
+        async with self._connection("schema") as connection:
+            migrated = await connection.run_sync(
+                lambda sync: inspect(sync).has_table("alembic_version")
+            )
+            if not migrated:
+                return None
+            revision = await connection.scalar(text("SELECT version_num FROM alembic_version"))
+        return None if revision is None else str(revision)
 
     async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
         """Insert a fresh ``IN_PROGRESS`` row, or return the row that holds the key."""
