@@ -54,6 +54,9 @@ Clock = Callable[[], datetime]
 # Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
 SWEEP_LOCK_ID = 0x1DE4_9A7E
 
+# Connections for the admin and sweep paths: a few at a time, never the request path's load.
+_ADMIN_POOL_SIZE = 2
+
 # Bodies below this size are stored as they are: compressing them saves nothing worth a CPU.
 _COMPRESS_FROM = 1024
 
@@ -162,7 +165,9 @@ def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
     return create_async_engine(
         url,
         isolation_level="AUTOCOMMIT",
-        pool_size=config.pool_size,
+        # Only the admin, sweep and breaker-override paths use this pool on PostgreSQL; the
+        # request path has an asyncpg pool of ``pool_size`` of its own.
+        pool_size=_ADMIN_POOL_SIZE,
         max_overflow=0,
         pool_timeout=config.connect_timeout,
         connect_args={
