@@ -47,16 +47,41 @@ def record(
 # ---------------------------------------------------------------------------------- decide
 
 
-@pytest.mark.parametrize("status", list(Status))
+# Every record past its TTL except an execution in flight (IN_PROGRESS, lease live).
+EXPIRED_NOT_LIVE = [
+    *[(status, lease_left) for status in Status for lease_left in (0.0, -1.0)],
+    *[(status, 20.0) for status in Status if status is not Status.IN_PROGRESS],
+]
+
+
+@pytest.mark.parametrize(("status", "lease_left"), EXPIRED_NOT_LIVE)
 @pytest.mark.parametrize("request_hash", [REQUEST_HASH, OTHER_HASH], ids=["same", "different"])
 @pytest.mark.parametrize("ttl_left", [0.0, -1.0], ids=["expires-now", "expired"])
-@pytest.mark.parametrize("lease_left", [20.0, -1.0], ids=["lease-live", "lease-over"])
 def test_expired_record_restarts_whatever_it_holds(
     status: Status, request_hash: str, ttl_left: float, lease_left: float
 ) -> None:
     seen = record(status, lease_left=lease_left, ttl_left=ttl_left)
 
     assert decide(seen, request_hash=request_hash, now=NOW) is Action.RESTART
+
+
+@pytest.mark.parametrize(
+    ("request_hash", "action"),
+    [
+        pytest.param(REQUEST_HASH, Action.IN_FLIGHT, id="same-request-in-flight"),
+        pytest.param(OTHER_HASH, Action.MISMATCH, id="different-request-mismatch"),
+    ],
+)
+@pytest.mark.parametrize("ttl_left", [0.0, -1.0, -3600.0], ids=["expires-now", "expired", "long"])
+@pytest.mark.parametrize("lease_left", [20.0, 0.001], ids=["lease-live", "lease-ending"])
+def test_live_execution_is_never_expired(
+    request_hash: str, action: Action, ttl_left: float, lease_left: float
+) -> None:
+    # ttl 8 s and an upstream taking 12 s: a duplicate at 9 s must not execute again.
+    seen = record(Status.IN_PROGRESS, lease_left=lease_left, ttl_left=ttl_left)
+
+    assert not seen.is_expired(NOW)
+    assert decide(seen, request_hash=request_hash, now=NOW) is action
 
 
 @pytest.mark.parametrize("status", list(Status))

@@ -492,7 +492,7 @@ async def test_readiness_follows_postgresql_down_and_up(
         )
         assert await readiness(client, gateway) == (
             200,
-            {"status": "ready", "store": "ok", "cache": "in-process"},
+            {"status": "ready", "store": "ok", "cache": "in-process", "schema": "ok"},
         )
         assert (await charge(client, gateway, unique("ready"))).status_code == 201
 
@@ -535,7 +535,7 @@ async def test_unreachable_redis_degrades_readiness_without_failing_it(
 
     assert await readiness(client, gateway) == (
         200,
-        {"status": "ready", "store": "ok", "cache": "degraded"},
+        {"status": "ready", "store": "ok", "cache": "degraded", "schema": "ok"},
     )
     key = unique("no-redis")
     assert (await charge(client, gateway, key)).status_code == 201

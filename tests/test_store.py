@@ -175,7 +175,9 @@ async def test_take_over_after_lease_fences_off_the_old_owner(
 
     old_fence = fence_of(stale)
     answer = StoredResponse(status=201, headers=[("content-type", "text/plain")], body=b"late")
-    assert not await store.finalize(key, old_fence, status=Status.SUCCEEDED, response=answer)
+    assert not await store.finalize(
+        key, old_fence, status=Status.SUCCEEDED, response=answer, ttl=TTL
+    )
     assert not await store.renew_lease(key, old_fence, lease=LEASE)
     assert await store.get(key) == taken
 
@@ -185,7 +187,9 @@ async def test_take_over_of_retryable_failure_bumps_token_and_clears_answer(
 ) -> None:
     first = (await reserve(store, key, new_owner())).record
     busy = StoredResponse(status=503, headers=[("retry-after", "1")], body=b"busy")
-    assert await store.finalize(key, fence_of(first), status=Status.FAILED_RETRYABLE, response=busy)
+    assert await store.finalize(
+        key, fence_of(first), status=Status.FAILED_RETRYABLE, response=busy, ttl=TTL
+    )
     failed = await store.get(key)
     assert failed is not None
     clock.advance(1)
@@ -208,7 +212,9 @@ async def test_take_over_of_expired_record_starts_a_new_life(
     second = await take_over(store, first, new_owner())
     assert second is not None
     answer = StoredResponse(status=201, headers=[("content-type", "text/plain")], body=b"done")
-    assert await store.finalize(key, fence_of(second), status=Status.SUCCEEDED, response=answer)
+    assert await store.finalize(
+        key, fence_of(second), status=Status.SUCCEEDED, response=answer, ttl=TTL
+    )
     finished = await store.get(key)
     assert finished is not None
     assert finished.fencing_token == 2
@@ -229,6 +235,43 @@ async def test_take_over_of_expired_record_starts_a_new_life(
     assert reborn.expires_at == after(clock, TTL)
     assert reborn.lease_expires_at == after(clock, LEASE)
     assert await store.get(key) == reborn
+
+
+async def test_take_over_never_steals_a_live_execution_past_its_ttl(
+    store: RecordStore, clock: ManualClock, key: RecordKey
+) -> None:
+    short = Claim(request_hash=FIRST_HASH, owner_id=new_owner(), lease=LEASE, ttl=LEASE)
+    live = (await store.reserve(key, short)).record
+    clock.advance(LEASE - 1)
+    assert await store.renew_lease(key, fence_of(live), lease=LEASE)
+    clock.advance(2)  # past the TTL, inside the renewed lease
+    renewed = await store.get(key)
+    assert renewed is not None
+    assert not renewed.is_expired(clock.now)
+
+    # Even a claimant that judged the row expired (a stale read, a wrong clock) loses.
+    assert await take_over(store, renewed, new_owner()) is None
+    assert await store.get(key) == renewed
+
+
+async def test_finalize_after_the_ttl_keeps_the_answer_a_full_ttl(
+    store: RecordStore, clock: ManualClock, key: RecordKey
+) -> None:
+    short = Claim(request_hash=FIRST_HASH, owner_id=new_owner(), lease=LEASE, ttl=LEASE)
+    live = (await store.reserve(key, short)).record
+    clock.advance(LEASE - 1)
+    assert await store.renew_lease(key, fence_of(live), lease=LEASE)
+    clock.advance(2)
+    answer = StoredResponse(status=201, headers=[], body=b"slow but done")
+
+    assert await store.finalize(
+        key, fence_of(live), status=Status.SUCCEEDED, response=answer, ttl=LEASE
+    )
+
+    finished = await store.get(key)
+    assert finished is not None
+    assert finished.expires_at == after(clock, LEASE)
+    assert not finished.is_expired(clock.now)
 
 
 # ------------------------------------------------------------------------------ finalize
@@ -255,7 +298,9 @@ async def test_finalize_stores_status_headers_and_body_byte_exact(
     ]
     answer = StoredResponse(status=201, headers=headers, body=body)
 
-    assert await store.finalize(key, fence_of(record), status=Status.SUCCEEDED, response=answer)
+    assert await store.finalize(
+        key, fence_of(record), status=Status.SUCCEEDED, response=answer, ttl=TTL
+    )
 
     finished = await store.get(key)
     assert finished is not None
@@ -276,7 +321,9 @@ async def test_finalize_round_trips_body_omitted(store: RecordStore, key: Record
         status=200, headers=[("content-type", "text/event-stream")], body=b"", body_omitted=True
     )
 
-    assert await store.finalize(key, fence_of(record), status=Status.SUCCEEDED, response=answer)
+    assert await store.finalize(
+        key, fence_of(record), status=Status.SUCCEEDED, response=answer, ttl=TTL
+    )
 
     finished = await store.get(key)
     assert finished is not None
@@ -289,7 +336,7 @@ async def test_finalize_without_response_keeps_none(store: RecordStore, key: Rec
     record = (await reserve(store, key, new_owner())).record
 
     assert await store.finalize(
-        key, fence_of(record), status=Status.FAILED_RETRYABLE, response=None
+        key, fence_of(record), status=Status.FAILED_RETRYABLE, response=None, ttl=TTL
     )
 
     finished = await store.get(key)
@@ -303,11 +350,13 @@ async def test_finalize_twice_is_refused_the_second_time(
 ) -> None:
     record = (await reserve(store, key, new_owner())).record
     first = StoredResponse(status=201, headers=[], body=b"first")
-    assert await store.finalize(key, fence_of(record), status=Status.SUCCEEDED, response=first)
+    assert await store.finalize(
+        key, fence_of(record), status=Status.SUCCEEDED, response=first, ttl=TTL
+    )
 
     second = StoredResponse(status=500, headers=[], body=b"second")
     assert not await store.finalize(
-        key, fence_of(record), status=Status.FAILED_FINAL, response=second
+        key, fence_of(record), status=Status.FAILED_FINAL, response=second, ttl=TTL
     )
 
     finished = await store.get(key)
@@ -347,7 +396,9 @@ async def test_renew_lease_after_finalize_changes_nothing(
 ) -> None:
     record = (await reserve(store, key, new_owner())).record
     answer = StoredResponse(status=200, headers=[], body=b"ok")
-    assert await store.finalize(key, fence_of(record), status=Status.SUCCEEDED, response=answer)
+    assert await store.finalize(
+        key, fence_of(record), status=Status.SUCCEEDED, response=answer, ttl=TTL
+    )
     finished = await store.get(key)
     clock.advance(10)
 
@@ -424,6 +475,25 @@ async def test_sweep_without_a_batch_limit_runs_every_batch(
         assert await store.get(record_key) is None
 
 
+async def test_sweep_never_deletes_a_live_execution_past_its_ttl(
+    store: RecordStore, clock: ManualClock, key: RecordKey
+) -> None:
+    clock.now = datetime(2001, 1, 1, tzinfo=UTC)
+    await drain_expired_at(store, clock, after(clock, LEASE + 1))
+    short = Claim(request_hash=FIRST_HASH, owner_id=new_owner(), lease=LEASE, ttl=LEASE)
+    live = (await store.reserve(key, short)).record
+    clock.advance(LEASE - 1)
+    assert await store.renew_lease(key, fence_of(live), lease=LEASE)
+    clock.advance(2)
+
+    assert await store.sweep() == 0
+    assert await store.get(key) is not None
+
+    clock.advance(LEASE)  # the owner stopped renewing: now it is only an expired row
+    assert await store.sweep() == 1
+    assert await store.get(key) is None
+
+
 async def test_a_second_postgres_sweeper_stands_aside_while_one_holds_the_lock(
     postgres_url: str, clock: ManualClock
 ) -> None:
@@ -449,7 +519,7 @@ STORE_CALLS: list[StoreCall] = [
     lambda store, key: store.reserve(key, claim_for(new_owner())),
     lambda store, key: store.get(key),
     lambda store, key: store.finalize(
-        key, _FENCE, status=Status.SUCCEEDED, response=StoredResponse(200, [], b"ok")
+        key, _FENCE, status=Status.SUCCEEDED, response=StoredResponse(200, [], b"ok"), ttl=TTL
     ),
     lambda store, key: store.renew_lease(key, _FENCE, lease=LEASE),
     lambda store, key: store.delete(key),

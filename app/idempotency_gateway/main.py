@@ -94,7 +94,7 @@ class Gateway:
         self.config = config
         self.database_url = database_url_or_default(database_url)
         self.admin_port = admin_port
-        self.store = RecordStore.from_url(self.database_url, config.store, clock=utc_now)
+        self.store = RecordStore.from_url(self.database_url, config.store)
         self.cache, self.wakeups = replay_layer(config.cache, redis_url)
         self.clients = {
             name: UpstreamClient(name, upstream) for name, upstream in config.upstreams.items()

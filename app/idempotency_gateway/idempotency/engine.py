@@ -124,7 +124,7 @@ class IdempotencyEngine:
                 await self._execute(request, reservation.record)
                 return
             record = reservation.record
-            action = decide(record, request_hash=request.fingerprint, now=self.store.clock())
+            action = decide(record, request_hash=request.fingerprint, now=reservation.now)
             if action is Action.REPLAY:
                 assert record.response is not None
                 note_outcome(request.scope, "replayed")
@@ -152,7 +152,7 @@ class IdempotencyEngine:
             taken = await self.store.take_over(record, claim)
             if taken is None:
                 continue  # somebody else changed the record first: look again
-            TAKEOVERS.labels(_takeover_reason(action, record, self.store.clock())).inc()
+            TAKEOVERS.labels(_takeover_reason(action, record, reservation.now)).inc()
             if action is Action.ABANDONED and config.on_ambiguous is OnAmbiguous.FAIL:
                 await self._settle_abandoned(request, taken)
                 return
@@ -179,7 +179,7 @@ class IdempotencyEngine:
             ),
             request_id_of(request.scope),
         )
-        run = OwnerRun(self.store, record, lease=request.config.lease)
+        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
         recorded = await self._record(request, run, Status.FAILED_FINAL, answer)
         await send_stored(
             request.send,
@@ -205,7 +205,7 @@ class IdempotencyEngine:
             (FENCING_TOKEN_HEADER, str(record.fencing_token).encode()),
         ]
         inner_scope["state"] = {**request.scope.get("state", {}), STATE_KEY: execution}
-        run = OwnerRun(self.store, record, lease=request.config.lease)
+        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
         capture = ResponseCapture(request.send, max_stored_body=request.config.max_stored_body)
         async with run.heartbeat():
             try:

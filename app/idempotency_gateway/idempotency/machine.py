@@ -1,10 +1,14 @@
 """The record state machine: what an existing record means for an incoming request, and
 which final state an execution's outcome leads to.
 
-    ABSENT or expired   --reserve-->                 IN_PROGRESS (token 1)
+    ABSENT              --reserve-->                 IN_PROGRESS (token 1)
+    expired, not live   --take over (token 1)-->     IN_PROGRESS (a new life, a new TTL)
     IN_PROGRESS, lease over --take over (token+1)--> IN_PROGRESS
     FAILED_RETRYABLE    --take over (token+1)-->     IN_PROGRESS
     IN_PROGRESS         --finalize (owner, token)--> SUCCEEDED | FAILED_FINAL | FAILED_RETRYABLE
+
+An ``IN_PROGRESS`` record whose lease is live is in flight even past its TTL: its owner is
+still running the request, so expiring it would execute the request twice.
 """
 
 from __future__ import annotations

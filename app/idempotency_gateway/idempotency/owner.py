@@ -19,10 +19,11 @@ _FINALIZE_BACKOFF = 0.2
 
 
 class OwnerRun:
-    def __init__(self, store: RecordStore, record: Record, *, lease: float) -> None:
+    def __init__(self, store: RecordStore, record: Record, *, lease: float, ttl: float) -> None:
         self.store = store
         self.record = record
         self.lease = lease
+        self.ttl = ttl
         self.fence = Fence(record.owner_id, record.fencing_token)
         self.fenced = False
 
@@ -60,7 +61,7 @@ class OwnerRun:
         for attempt in range(1, attempts + 1):
             try:
                 written = await self.store.finalize(
-                    self.record.key, self.fence, status=status, response=answer
+                    self.record.key, self.fence, status=status, response=answer, ttl=self.ttl
                 )
             except StoreUnavailable:
                 if attempt == attempts:

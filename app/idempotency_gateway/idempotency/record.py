@@ -47,8 +47,14 @@ class Record:
     updated_at: datetime
     expires_at: datetime
 
+    def is_live(self, now: datetime) -> bool:
+        """An owner holds a live lease: the execution is in flight, whatever the TTL says."""
+        return self.status is Status.IN_PROGRESS and self.lease_expires_at > now
+
     def is_expired(self, now: datetime) -> bool:
-        return self.expires_at <= now
+        """Past its TTL and not in flight: the key is forgotten. A live execution never
+        expires; forgetting it would let a duplicate execute a second time."""
+        return self.expires_at <= now and not self.is_live(now)
 
     def lease_is_over(self, now: datetime) -> bool:
         return self.lease_expires_at <= now

@@ -1,8 +1,8 @@
-"""The store's hot statements, built once with bound parameters.
+"""The SQLite store's statements (and the shared key match), built once with bound parameters.
 
 Building a SQLAlchemy construct (and its cache key) for every request cost more CPU than the
 database round trips it described; built once here, each execution only binds values and
-hits SQLAlchemy's compiled cache (and asyncpg's prepared statement cache) directly.
+hits SQLAlchemy's compiled cache directly. PostgreSQL's live in ``postgres_sql``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from sqlalchemy import (
     Update,
     and_,
     bindparam,
+    case,
     delete,
-    exists,
-    literal,
+    or_,
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
 
 from idempotency_gateway.idempotency.record import RecordKey, Status
 from idempotency_gateway.idempotency.schema import records
@@ -60,28 +60,23 @@ _NEW_ROW = {
 
 SELECT_RECORD: Select[Any] = select(records).where(KEY_MATCHES)
 
-_inserted = (
-    postgresql.insert(records)
-    .values(_NEW_ROW)
-    .on_conflict_do_nothing(index_elements=["scope", "operation", "idempotency_key"])
-    .returning(*records.c)
-    .cte("inserted")
-)
-# PostgreSQL: insert, or read the row that holds the key, in one round trip.
-RESERVE_POSTGRES = select(literal(True).label("reserved"), *_inserted.c).union_all(
-    select(literal(False).label("reserved"), *records.c).where(
-        KEY_MATCHES, ~exists(select(_inserted.c.scope))
-    )
-)
 RESERVE_SQLITE = (
     sqlite.insert(records).values(_NEW_ROW).on_conflict_do_nothing().returning(*records.c)
 )
+
+
+def not_live(now: ColumnElement[Any]) -> ColumnElement[bool]:
+    """No owner holds a live lease: the only rows a take-over or the sweeper may touch, so an
+    execution in flight is never stolen or deleted, whatever its TTL says."""
+    return or_(_c.status != Status.IN_PROGRESS.value, _c.lease_expires_at <= now)
+
 
 _SEEN_UNCHANGED = and_(
     KEY_MATCHES,
     _c.status == bindparam("s_status"),
     _c.owner_id == bindparam("s_owner"),
     _c.fencing_token == bindparam("s_token"),
+    not_live(_param("t_live_at", "lease_expires_at")),
 )
 _RESTART = {
     "request_hash": _param("t_request_hash", "request_hash"),
@@ -136,12 +131,13 @@ FINALIZE = (
         response_body=_param("u_response_body", "response_body"),
         body_compressed=_param("u_body_compressed", "body_compressed"),
         body_omitted=_param("u_body_omitted", "body_omitted"),
+        # An execution that outlived its TTL keeps its answer a full TTL from now: otherwise
+        # the client's retry would find the key forgotten and execute it a second time.
+        expires_at=case(
+            (_c.expires_at <= _param("u_now_check", "expires_at"), _param("u_keep", "expires_at")),
+            else_=_c.expires_at,
+        ),
     )
 )
 
 DELETE_RECORD = delete(records).where(KEY_MATCHES)
-EXPIRE_RECORD = (
-    update(records)
-    .where(KEY_MATCHES)
-    .values(expires_at=_param("e_now", "expires_at"), updated_at=_param("e_now2", "updated_at"))
-)

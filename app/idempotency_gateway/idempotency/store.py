@@ -1,7 +1,10 @@
 """``RecordStore``: every transition of a record is one atomic SQL statement.
 
-One code path through SQLAlchemy Core serves PostgreSQL (asyncpg) and SQLite (aiosqlite). The
-store decides nothing: it runs compare-and-set statements and reports whether they matched;
+``RecordStore.from_url`` picks the backend: on PostgreSQL, ``PostgresRecordStore`` runs the hot
+statements as plain SQL on asyncpg directly, on the database's clock; on SQLite (one machine)
+this class runs them through SQLAlchemy Core on the host clock. Both keep one contract, proved
+by one test suite. The admin and sweep paths run through SQLAlchemy on both. The store decides
+nothing: it runs compare-and-set statements and reports whether they matched;
 ``idempotency_gateway.idempotency.machine`` decides what a record means.
 
 Round trips on the hot path: a new key costs one reserve and one finalize; a duplicate costs
@@ -12,25 +15,32 @@ Statements run in autocommit mode, so none pays for a separate BEGIN and COMMIT.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
+import asyncpg
 from sqlalchemy import (
-    Row,
+    ColumnElement,
     delete,
     event,
     func,
+    inspect,
     literal,
     select,
+    text,
     tuple_,
+    update,
 )
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.sql.functions import now as db_now
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
@@ -43,6 +53,9 @@ Clock = Callable[[], datetime]
 
 # Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
 SWEEP_LOCK_ID = 0x1DE4_9A7E
+
+# Connections for the admin and sweep paths: a few at a time, never the request path's load.
+_ADMIN_POOL_SIZE = 2
 
 # Bodies below this size are stored as they are: compressing them saves nothing worth a CPU.
 _COMPRESS_FROM = 1024
@@ -64,10 +77,12 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """The outcome of a reserve: our fresh row, or the row that was already there."""
+    """The outcome of a reserve: our fresh row, or the row that was already there, and the
+    store's "now" to judge that row by (the database's clock on PostgreSQL)."""
 
     record: Record
     reserved: bool
+    now: datetime
 
 
 def _aware(moment: datetime) -> datetime:
@@ -75,7 +90,7 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def _encode_body(body: bytes) -> tuple[bytes, bool]:
+def encode_body(body: bytes) -> tuple[bytes, bool]:
     if len(body) < _COMPRESS_FROM:
         return body, False
     compressed = zlib.compress(body, 1)
@@ -84,8 +99,13 @@ def _encode_body(body: bytes) -> tuple[bytes, bool]:
     return compressed, True
 
 
-def _record_from_row(row: Row[Any]) -> Record:
-    data = row._mapping
+class Row(Protocol):
+    """A result row by column name: SQLAlchemy's ``row._mapping`` or an asyncpg record."""
+
+    def __getitem__(self, name: str) -> Any: ...
+
+
+def record_from_row(data: Row) -> Record:
     response = None
     if data["response_status"] is not None:
         stored_body = data["response_body"] or b""
@@ -126,6 +146,12 @@ def normalize_database_url(url: str) -> str:
     return url
 
 
+def asyncpg_dsn_of(url: str | URL) -> str:
+    """A PostgreSQL URL as asyncpg and libpq spell it (no ``+asyncpg`` driver suffix)."""
+    parsed = make_url(normalize_database_url(url) if isinstance(url, str) else url)
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
     url = normalize_database_url(url)
     if url.startswith("sqlite"):
@@ -139,7 +165,9 @@ def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
     return create_async_engine(
         url,
         isolation_level="AUTOCOMMIT",
-        pool_size=config.pool_size,
+        # Only the admin, sweep and breaker-override paths use this pool on PostgreSQL; the
+        # request path has an asyncpg pool of ``pool_size`` of its own.
+        pool_size=_ADMIN_POOL_SIZE,
         max_overflow=0,
         pool_timeout=config.connect_timeout,
         connect_args={
@@ -161,36 +189,87 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         cursor.close()
 
 
+# Every error a driver or pool can raise for a store that is down, slow or misbehaving.
+_DRIVER_ERRORS = (
+    SQLAlchemyError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    sqlite3.Error,
+    OSError,
+    TimeoutError,
+)
+
+
+@contextmanager
+def store_errors(operation: str) -> Iterator[None]:
+    """The one place where driver and pool errors become ``StoreUnavailable``, for every
+    backend and the admin paths too; every statement's latency and failures are measured
+    here as well."""
+    started = time.perf_counter()
+    try:
+        yield
+    except _DRIVER_ERRORS as exc:
+        STORE_ERRORS.labels(operation).inc()
+        raise StoreUnavailable(f"idempotency store error: {type(exc).__name__}") from exc
+    finally:
+        STORE_LATENCY.labels(operation).observe(time.perf_counter() - started)
+
+
 class RecordStore:
-    def __init__(self, engine: AsyncEngine, *, clock: Clock = utc_now) -> None:
+    """The durable home of idempotency records, shared by every gateway on one database.
+
+    Build it with ``RecordStore.from_url(url, StoreConfig())`` on a database migrated to the
+    head (``idempotency-gateway migrate``), and ``await store.close()`` when done. Leases and
+    expiry are judged by one clock: the database's on PostgreSQL (gateway hosts may disagree
+    about the time), the host's on SQLite. ``clock`` pins the time instead; it exists for
+    tests that move time by hand, never for production.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:
         self.engine = engine
-        self.clock = clock
+        self._pinned_clock = clock
+        self.clock: Clock = clock or utc_now
         self._is_postgres = engine.dialect.name == "postgresql"
 
     @classmethod
-    def from_url(cls, url: str, config: StoreConfig, *, clock: Clock = utc_now) -> RecordStore:
-        return cls(create_engine_for(url, config), clock=clock)
+    def from_url(cls, url: str, config: StoreConfig, *, clock: Clock | None = None) -> RecordStore:
+        engine = create_engine_for(url, config)
+        if engine.dialect.name == "postgresql":
+            # Imported here: the PostgreSQL store builds on this class.
+            from idempotency_gateway.idempotency.postgres_store import PostgresRecordStore
+
+            return PostgresRecordStore(engine, config, clock=clock)
+        return cls(engine, clock=clock)
 
     async def close(self) -> None:
         await self.engine.dispose()
 
+    def _now_sql(self) -> ColumnElement[Any]:
+        """ "Now" inside a statement: the database's clock on PostgreSQL unless pinned."""
+        if self._is_postgres and self._pinned_clock is None:
+            return db_now()
+        return literal(self.clock())
+
     @asynccontextmanager
     async def _connection(self, operation: str) -> AsyncIterator[AsyncConnection]:
-        """The one place where driver and pool errors become ``StoreUnavailable``; every
-        statement's latency and failures are measured here too."""
-        started = time.perf_counter()
-        try:
+        with store_errors(operation):
             async with self.engine.connect() as connection:
                 yield connection
-        except (SQLAlchemyError, OSError, TimeoutError) as exc:
-            STORE_ERRORS.labels(operation).inc()
-            raise StoreUnavailable(f"idempotency store error: {type(exc).__name__}") from exc
-        finally:
-            STORE_LATENCY.labels(operation).observe(time.perf_counter() - started)
 
     async def ping(self) -> None:
         async with self._connection("ping") as connection:
             await connection.execute(select(literal(1)))
+
+    async def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at; ``None`` before the first migration."""
+        async with self._connection("schema") as connection:
+            migrated = await connection.run_sync(
+                lambda sync: inspect(sync).has_table("alembic_version")
+            )
+            if not migrated:
+                return None
+            revision = await connection.scalar(text("SELECT version_num FROM alembic_version"))
+        return None if revision is None else str(revision)
 
     async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
         """Insert a fresh ``IN_PROGRESS`` row, or return the row that holds the key."""
@@ -212,26 +291,17 @@ class RecordStore:
             "expires_at": now + timedelta(seconds=claim.ttl),
         }
         async with self._connection("reserve") as connection:
-            if self._is_postgres:
-                result = await connection.execute(
-                    statements.RESERVE_POSTGRES, values | statements.key_params(key)
-                )
-                row = result.first()
-                if row is not None:
-                    return Reservation(_record_from_row(row), reserved=row.reserved)
-            else:
-                row = (await connection.execute(statements.RESERVE_SQLITE, values)).first()
-                if row is not None:
-                    return Reservation(_record_from_row(row), reserved=True)
-            # The holder committed after this statement's snapshot began (PostgreSQL) or the
-            # insert lost (SQLite): a plain read now sees it.
+            row = (await connection.execute(statements.RESERVE_SQLITE, values)).first()
+            if row is not None:
+                return Reservation(record_from_row(row._mapping), True, now)
+            # The insert lost: a plain read sees the row that holds the key.
             existing = (
                 await connection.execute(statements.SELECT_RECORD, statements.key_params(key))
             ).first()
         if existing is None:
             # Deleted between our insert and read: rare enough that the caller just retries.
             raise StoreUnavailable("the record vanished while being reserved; retry")
-        return Reservation(_record_from_row(existing), reserved=False)
+        return Reservation(record_from_row(existing._mapping), False, now)
 
     async def take_over(self, seen: Record, claim: Claim) -> Record | None:
         """Claim ``seen`` for a new execution, only if nobody changed it since it was read.
@@ -248,6 +318,7 @@ class RecordStore:
             "t_owner": claim.owner_id,
             "t_lease_expires_at": now + timedelta(seconds=claim.lease),
             "t_now": now,
+            "t_live_at": now,
         }
         statement = statements.TAKE_OVER
         if seen.is_expired(now):
@@ -255,7 +326,7 @@ class RecordStore:
             params |= {"t_now2": now, "t_expires_at": now + timedelta(seconds=claim.ttl)}
         async with self._connection("take_over") as connection:
             row = (await connection.execute(statement, params)).first()
-        return _record_from_row(row) if row is not None else None
+        return record_from_row(row._mapping) if row is not None else None
 
     async def renew_lease(self, key: RecordKey, fence: Fence, *, lease: float) -> bool:
         now = self.clock()
@@ -266,11 +337,25 @@ class RecordStore:
         return bool(result.rowcount)
 
     async def finalize(
-        self, key: RecordKey, fence: Fence, *, status: Status, response: StoredResponse | None
+        self,
+        key: RecordKey,
+        fence: Fence,
+        *,
+        status: Status,
+        response: StoredResponse | None,
+        ttl: float,
     ) -> bool:
-        """Record the outcome; ``False`` means this owner was fenced off and nothing changed."""
+        """Record the outcome; ``False`` means this owner was fenced off and nothing changed.
+        A record already past its expiry (a live execution outlived it) is kept ``ttl``
+        seconds from now, so its answer can be replayed."""
+        now = self.clock()
         params: dict[str, Any] = statements.key_params(key) | _fence_params(fence)
-        params |= {"u_status": status.value, "u_now": self.clock()}
+        params |= {
+            "u_status": status.value,
+            "u_now": now,
+            "u_now_check": now,
+            "u_keep": now + timedelta(seconds=ttl),
+        }
         if response is None:
             params |= {
                 "u_response_status": None,
@@ -280,7 +365,7 @@ class RecordStore:
                 "u_body_omitted": False,
             }
         else:
-            body, compressed = _encode_body(response.body)
+            body, compressed = encode_body(response.body)
             params |= {
                 "u_response_status": response.status,
                 "u_response_headers": [list(pair) for pair in response.headers],
@@ -296,7 +381,7 @@ class RecordStore:
         async with self._connection("get") as connection:
             result = await connection.execute(statements.SELECT_RECORD, statements.key_params(key))
             row = result.first()
-        return _record_from_row(row) if row is not None else None
+        return record_from_row(row._mapping) if row is not None else None
 
     async def delete(self, key: RecordKey) -> bool:
         async with self._connection("delete") as connection:
@@ -305,10 +390,13 @@ class RecordStore:
 
     async def expire(self, key: RecordKey) -> bool:
         """Make a record count as absent now (it stays readable until swept)."""
-        now = self.clock()
-        params = statements.key_params(key) | {"e_now": now, "e_now2": now}
+        statement = (
+            update(records)
+            .where(statements.KEY_MATCHES)
+            .values(expires_at=self._now_sql(), updated_at=self._now_sql())
+        )
         async with self._connection("expire") as connection:
-            result = await connection.execute(statements.EXPIRE_RECORD, params)
+            result = await connection.execute(statement, statements.key_params(key))
         return bool(result.rowcount)
 
     async def list_stuck(self, *, limit: int) -> list[Record]:
@@ -317,22 +405,27 @@ class RecordStore:
             select(records)
             .where(
                 records.c.status == Status.IN_PROGRESS.value,
-                records.c.lease_expires_at <= self.clock(),
+                records.c.lease_expires_at <= self._now_sql(),
             )
             .order_by(records.c.lease_expires_at)
             .limit(limit)
         )
         async with self._connection("list_stuck") as connection:
             rows = (await connection.execute(statement)).all()
-        return [_record_from_row(row) for row in rows]
+        return [record_from_row(row._mapping) for row in rows]
 
     async def sweep(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int | None:
         """Delete expired records in batches until none are left (or ``max_batches`` ran);
-        ``None`` when another sweeper holds the lock (a PostgreSQL advisory lock: one sweeper
-        at a time across every gateway)."""
+        ``None`` when another sweeper is at work. A live execution is never deleted.
+
+        On PostgreSQL each batch is a transaction that first takes a transaction-scoped
+        advisory lock: one sweeper at a time across every gateway, and the lock holds through
+        PgBouncer in transaction mode (a session lock would not: the next statement may run
+        on another server connection)."""
+        now = self._now_sql()
         expired = (
             select(records.c.scope, records.c.operation, records.c.idempotency_key)
-            .where(records.c.expires_at <= self.clock())
+            .where(records.c.expires_at <= now, statements.not_live(now))
             .limit(batch_size)
         )
         if self._is_postgres:
@@ -340,23 +433,21 @@ class RecordStore:
             expired = expired.with_for_update(skip_locked=True)
         key_columns = tuple_(records.c.scope, records.c.operation, records.c.idempotency_key)
         batch = delete(records).where(key_columns.in_(expired))
+        lock = select(func.pg_try_advisory_xact_lock(SWEEP_LOCK_ID))
         total = 0
+        batches = 0
         async with self._connection("sweep") as connection:
             if self._is_postgres:
-                lock = select(func.pg_try_advisory_lock(SWEEP_LOCK_ID))
-                if not (await connection.execute(lock)).scalar():
-                    return None
-            try:
-                batches = 0
-                while True:
+                connection = await connection.execution_options(isolation_level="READ COMMITTED")
+            while True:
+                async with connection.begin():
+                    if self._is_postgres and not (await connection.execute(lock)).scalar():
+                        return None if batches == 0 else total
                     deleted = int((await connection.execute(batch)).rowcount or 0)
-                    total += deleted
-                    batches += 1
-                    if deleted < batch_size or batches == max_batches:
-                        return total
-                    # Small statements with pauses between them: the sweeper never hogs
-                    # the database the request path needs.
-                    await asyncio.sleep(0)
-            finally:
-                if self._is_postgres:
-                    await connection.execute(select(func.pg_advisory_unlock(SWEEP_LOCK_ID)))
+                total += deleted
+                batches += 1
+                if deleted < batch_size or batches == max_batches:
+                    return total
+                # Small transactions with pauses between them: the sweeper never hogs the
+                # database the request path needs.
+                await asyncio.sleep(0)

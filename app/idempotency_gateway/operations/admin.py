@@ -29,6 +29,7 @@ from idempotency_gateway.idempotency.keys import scope_of
 from idempotency_gateway.idempotency.record import Record, RecordKey
 from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.migrate import schema_state
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
 from idempotency_gateway.problems import problem_body
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
@@ -247,7 +248,11 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         "/readyz",
         tags=["health"],
         responses={
-            503: {"description": "not ready: the store does not answer", "model": dict[str, str]}
+            503: {
+                "description": "not ready: the store does not answer or its schema is not at "
+                "the migration head",
+                "model": dict[str, str],
+            }
         },
     )
     async def readyz(response: Response) -> dict[str, str]:
@@ -255,12 +260,13 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         try:
             async with asyncio.timeout(READINESS_TIMEOUT):
                 await context.store.ping()
+                checks["schema"] = await schema_state(context.store)
         except (StoreUnavailable, TimeoutError):
             checks["store"] = "down"
         if isinstance(context.cache, RedisCache):
             # A slow or absent Redis costs latency, never answers: degraded, still ready.
             checks["cache"] = "ok" if await context.cache.ping() else "degraded"
-        ready = checks["store"] == "ok"
+        ready = checks["store"] == "ok" and checks.get("schema") == "ok"
         response.status_code = 200 if ready else 503
         return {"status": "ready" if ready else "not ready", **checks}
 

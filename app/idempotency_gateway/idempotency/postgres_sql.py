@@ -1,0 +1,96 @@
+"""The PostgreSQL store's hot statements, as the database runs them.
+
+One clock: every lease and expiry is written and compared with the database's clock
+(``now()``: one instant per statement, which runs in autocommit), never a gateway host's, so
+gateways whose clocks disagree cannot steal each other's live leases. Durations travel as
+seconds and become intervals in SQL. ``$1`` pins "now" to a given instant instead; only the
+store's tests do that (``RecordStore(clock=...)``), to move time by hand.
+
+The fence is spelled out in every owner write: ``owner_id = $n AND fencing_token = $m`` on a
+row still ``IN_PROGRESS``. A take-over never touches a row whose lease is live.
+"""
+
+from __future__ import annotations
+
+_CLOCK = "clock AS (SELECT coalesce($1::timestamptz, now()) AS now)"
+_KEY = "r.scope = $2 AND r.operation = $3 AND r.idempotency_key = $4"
+_FENCE = "r.status = 'IN_PROGRESS' AND r.owner_id = $5 AND r.fencing_token = $6"
+_NOT_LIVE = "NOT (r.status = 'IN_PROGRESS' AND r.lease_expires_at > clock.now)"
+
+# $5 request_hash, $6 owner_id, $7 lease seconds, $8 ttl seconds. One round trip: our new
+# row, or the row that holds the key, with the database's "now" to judge it by.
+RESERVE = f"""
+WITH {_CLOCK},
+inserted AS (
+    INSERT INTO idempotency_records AS r (
+        scope, operation, idempotency_key, request_hash, status, owner_id, fencing_token,
+        lease_expires_at, attempts, body_compressed, body_omitted,
+        created_at, updated_at, expires_at)
+    SELECT $2, $3, $4, $5, 'IN_PROGRESS', $6, 1,
+        clock.now + make_interval(secs => $7), 1, false, false,
+        clock.now, clock.now, clock.now + make_interval(secs => $8)
+    FROM clock
+    ON CONFLICT DO NOTHING
+    RETURNING r.*
+)
+SELECT true AS reserved, clock.now AS db_now, inserted.* FROM inserted, clock
+UNION ALL
+SELECT false, clock.now, r.* FROM idempotency_records r, clock
+WHERE {_KEY} AND NOT EXISTS (SELECT FROM inserted)
+"""
+
+# When the key's holder committed after the reserve's snapshot began, neither half of the
+# reserve sees it; this plain read does.
+SELECT_WITH_NOW = f"""
+WITH {_CLOCK}
+SELECT false AS reserved, clock.now AS db_now, r.* FROM idempotency_records r, clock
+WHERE {_KEY}
+"""
+
+SELECT = """
+SELECT r.* FROM idempotency_records r
+WHERE r.scope = $1 AND r.operation = $2 AND r.idempotency_key = $3
+"""
+
+# $5 seen status, $6 seen owner, $7 seen token: the compare-and-set; $8 request_hash,
+# $9 new owner, $10 lease seconds, $11 ttl seconds. An expired row starts a new life (token
+# 1, new TTL); otherwise the history stays and the token goes up, fencing the old owner off.
+TAKE_OVER = f"""
+WITH {_CLOCK}
+UPDATE idempotency_records r SET
+    request_hash = $8, status = 'IN_PROGRESS', owner_id = $9,
+    lease_expires_at = clock.now + make_interval(secs => $10),
+    response_status = NULL, response_headers = NULL, response_body = NULL,
+    body_compressed = false, body_omitted = false, updated_at = clock.now,
+    fencing_token = CASE WHEN r.expires_at <= clock.now THEN 1 ELSE r.fencing_token + 1 END,
+    attempts = CASE WHEN r.expires_at <= clock.now THEN 1 ELSE r.attempts + 1 END,
+    created_at = CASE WHEN r.expires_at <= clock.now THEN clock.now ELSE r.created_at END,
+    expires_at = CASE WHEN r.expires_at <= clock.now
+        THEN clock.now + make_interval(secs => $11) ELSE r.expires_at END
+FROM clock
+WHERE {_KEY} AND r.status = $5 AND r.owner_id = $6 AND r.fencing_token = $7 AND {_NOT_LIVE}
+RETURNING r.*
+"""
+
+# $7 lease seconds.
+RENEW_LEASE = f"""
+WITH {_CLOCK}
+UPDATE idempotency_records r
+SET lease_expires_at = clock.now + make_interval(secs => $7), updated_at = clock.now
+FROM clock
+WHERE {_KEY} AND {_FENCE}
+"""
+
+# $7 status, $8..$12 the answer, $13 ttl seconds. A row past its expiry (its execution
+# outlived the TTL) keeps the answer a full TTL from now, so the client's retry replays it.
+FINALIZE = f"""
+WITH {_CLOCK}
+UPDATE idempotency_records r SET
+    status = $7, updated_at = clock.now,
+    response_status = $8, response_headers = $9::json, response_body = $10,
+    body_compressed = $11, body_omitted = $12,
+    expires_at = CASE WHEN r.expires_at <= clock.now
+        THEN clock.now + make_interval(secs => $13) ELSE r.expires_at END
+FROM clock
+WHERE {_KEY} AND {_FENCE}
+"""

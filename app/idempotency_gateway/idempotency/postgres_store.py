@@ -1,0 +1,175 @@
+"""``PostgresRecordStore``: the hot path on asyncpg directly, on the database's clock.
+
+Reserve, take over, renew lease, finalize and get run the plain SQL of ``postgres_sql`` on an
+asyncpg pool of their own: no SQLAlchemy compile or result layer per request, and asyncpg
+prepares each statement once per connection (unless ``prepared_statements: false``, for
+PgBouncer in transaction mode). The admin and sweep paths stay on the SQLAlchemy engine the
+base class keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.idempotency import postgres_sql as sql
+from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
+from idempotency_gateway.idempotency.store import (
+    Claim,
+    Clock,
+    RecordStore,
+    Reservation,
+    asyncpg_dsn_of,
+    encode_body,
+    record_from_row,
+    store_errors,
+)
+
+
+async def _keep_session(_connection: asyncpg.Connection) -> None:
+    """Release without asyncpg's default reset (advisory unlock, CLOSE ALL, UNLISTEN, RESET
+    ALL: a round trip per request). The hot statements leave no session state behind, and an
+    open transaction is still rolled back by the pool itself."""
+
+
+async def _decode_json(connection: asyncpg.Connection) -> None:
+    await connection.set_type_codec(
+        "json", encoder=json.dumps, decoder=json.loads, schema="pg_catalog"
+    )
+
+
+class PostgresRecordStore(RecordStore):
+    def __init__(
+        self, engine: AsyncEngine, config: StoreConfig, *, clock: Clock | None = None
+    ) -> None:
+        super().__init__(engine, clock=clock)
+        self.config = config
+        self._pool: asyncpg.Pool | None = None
+        self._pool_lock = asyncio.Lock()
+
+    async def _get_pool(self) -> asyncpg.Pool:
+        # Built on first use: ``from_url`` is synchronous, and a gateway may start before
+        # its database is up.
+        async with self._pool_lock:
+            if self._pool is None:
+                self._pool = await asyncpg.create_pool(
+                    asyncpg_dsn_of(self.engine.url),
+                    min_size=0,
+                    max_size=self.config.pool_size,
+                    reset=_keep_session,
+                    init=_decode_json,
+                    timeout=self.config.connect_timeout,
+                    command_timeout=self.config.statement_timeout,
+                    # 0 turns named prepared statements off; PgBouncer in transaction mode
+                    # cannot keep them (the next statement may meet another server session).
+                    statement_cache_size=100 if self.config.prepared_statements else 0,
+                )
+            return self._pool
+
+    @asynccontextmanager
+    async def _pg(self, operation: str) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
+        with store_errors(operation):
+            pool = await self._get_pool()
+            async with pool.acquire(timeout=self.config.connect_timeout) as connection:
+                yield connection
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+        await super().close()
+
+    def _pin(self) -> datetime | None:
+        return self._pinned_clock() if self._pinned_clock is not None else None
+
+    def _key(self, key: RecordKey) -> tuple[str, str, str]:
+        return key.scope, key.operation, key.idempotency_key
+
+    async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
+        """Insert a fresh ``IN_PROGRESS`` row, or return the row that holds the key."""
+        args = (*self._key(key), claim.request_hash, claim.owner_id, claim.lease, claim.ttl)
+        async with self._pg("reserve") as connection:
+            row = await connection.fetchrow(sql.RESERVE, self._pin(), *args)
+            if row is None:
+                # The holder committed after the reserve's snapshot began: a read sees it.
+                row = await connection.fetchrow(sql.SELECT_WITH_NOW, self._pin(), *self._key(key))
+        if row is None:
+            # Deleted between our insert and read: rare enough that the caller just retries.
+            raise StoreUnavailable("the record vanished while being reserved; retry")
+        return Reservation(record_from_row(row), row["reserved"], row["db_now"])
+
+    async def take_over(self, seen: Record, claim: Claim) -> Record | None:
+        """Claim ``seen`` for a new execution, only if nobody changed it since it was read
+        and no owner holds a live lease on it (judged on the database's clock)."""
+        async with self._pg("take_over") as connection:
+            row = await connection.fetchrow(
+                sql.TAKE_OVER,
+                self._pin(),
+                *self._key(seen.key),
+                seen.status.value,
+                seen.owner_id,
+                seen.fencing_token,
+                claim.request_hash,
+                claim.owner_id,
+                claim.lease,
+                claim.ttl,
+            )
+        return record_from_row(row) if row is not None else None
+
+    async def renew_lease(self, key: RecordKey, fence: Fence, *, lease: float) -> bool:
+        async with self._pg("renew_lease") as connection:
+            status = await connection.execute(
+                sql.RENEW_LEASE,
+                self._pin(),
+                *self._key(key),
+                fence.owner_id,
+                fence.fencing_token,
+                lease,
+            )
+        return _changed(status)
+
+    async def finalize(
+        self,
+        key: RecordKey,
+        fence: Fence,
+        *,
+        status: Status,
+        response: StoredResponse | None,
+        ttl: float,
+    ) -> bool:
+        answer: tuple[Any, ...] = (None, None, None, False, False)
+        if response is not None:
+            body, compressed = encode_body(response.body)
+            headers = [list(pair) for pair in response.headers]
+            answer = (response.status, headers, body, compressed, response.body_omitted)
+        async with self._pg("finalize") as connection:
+            result = await connection.execute(
+                sql.FINALIZE,
+                self._pin(),
+                *self._key(key),
+                fence.owner_id,
+                fence.fencing_token,
+                status.value,
+                *answer,
+                ttl,
+            )
+        return _changed(result)
+
+    async def get(self, key: RecordKey) -> Record | None:
+        async with self._pg("get") as connection:
+            row = await connection.fetchrow(sql.SELECT, *self._key(key))
+        return record_from_row(row) if row is not None else None
+
+
+def _changed(command_tag: str) -> bool:
+    """asyncpg answers an UPDATE with its command tag, ``UPDATE <rows>``."""
+    return not command_tag.endswith(" 0")

@@ -1,0 +1,67 @@
+"""``/readyz`` tells the truth about the schema: on a database that was never migrated the
+gateway is not ready (503, and the body says to migrate), and it turns ready once the schema
+is at the migration head. A real gateway process on a PostgreSQL database created for the test.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from idempotency_gateway.idempotency.store import asyncpg_dsn_of
+from idempotency_gateway.migrate import head_revision, upgrade_to_head_async
+from tests.support import GatewayProcess, RecordingUpstream, write_config
+from tests.support.keyed import keyed_gateway_config, send_keyed
+
+
+@pytest.fixture
+async def empty_database(postgres_url: str) -> AsyncIterator[str]:
+    """A fresh, empty PostgreSQL database on the test server, dropped afterwards."""
+    name = f"igw_empty_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        base, _, _ = postgres_url.rpartition("/")
+        yield f"{base}/{name}"
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+async def test_readyz_is_503_until_the_schema_is_at_the_head(
+    tmp_path: Path, empty_database: str, upstream: RecordingUpstream
+) -> None:
+    config = write_config(tmp_path, keyed_gateway_config(upstream.url).model_dump(mode="json"))
+    gateway = GatewayProcess(config, env={"GATEWAY_DATABASE_URL": empty_database}, log_dir=tmp_path)
+    try:
+        await gateway.start()
+        async with (
+            httpx.AsyncClient(base_url=gateway.admin_url, trust_env=False) as admin,
+            httpx.AsyncClient(base_url=gateway.url, timeout=10.0, trust_env=False) as client,
+        ):
+            before = await admin.get("/readyz")
+            keyed_before = await send_keyed(client, f"before-{uuid.uuid4().hex}")
+
+            await upgrade_to_head_async(empty_database)
+
+            after = await admin.get("/readyz")
+            keyed_after = await send_keyed(client, f"after-{uuid.uuid4().hex}")
+    finally:
+        await gateway.stop()
+        print(f"--- gateway log tail ---\n{gateway.log_tail()}")
+
+    assert before.status_code == 503
+    assert before.json()["status"] == "not ready"
+    assert before.json()["store"] == "ok"
+    assert "not migrated" in before.json()["schema"]
+    assert str(head_revision()) in before.json()["schema"]
+    # What readiness protects from: every keyed request fails on this database.
+    assert keyed_before.status_code == 503
+    assert after.status_code == 200
+    assert after.json()["schema"] == "ok"
+    assert keyed_after.status_code == 201
