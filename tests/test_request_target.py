@@ -20,17 +20,23 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fastapi import FastAPI, Request
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from idempotency_gateway.config import IdempotencyConfig
 from idempotency_gateway.errors import PROBLEM_TYPE_BASE, InvalidRequestTarget
+from idempotency_gateway.idempotency import IdempotencyMiddleware
+from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.routing import PrefixRouter
 from idempotency_gateway.target import canonical_path
-from tests.support import GatewayProcess, RecordingUpstream, write_config
-from tests.support.gateway import gateway_config, route
+from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_config
+from tests.support.gateway import GatewayLauncher, gateway_config, route
 from tests.support.upstream import Execution
 from tests.test_hostile_input import Reply, assert_clear_answer, exchange, request_bytes
 
@@ -491,3 +497,61 @@ def test_no_target_reaches_another_host_or_dodges_a_policy(
     )
     reply = stack.send(raw)
     assert_invariants(stack, reply, stack.executions_since(before))
+
+
+# ------------------------------------------------ matched once; the same rules in library mode
+
+
+async def test_the_route_is_matched_once_per_request(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    matched: list[str] = []
+    real_match = PrefixRouter.match
+
+    def counting_match(router: PrefixRouter[Any], path: str) -> Any:
+        matched.append(path)
+        return real_match(router, path)
+
+    monkeypatch.setattr(PrefixRouter, "match", counting_match)
+    async with RecordingUpstream() as upstream, GatewayLauncher() as gateways:
+        config = gateway_config(upstream.url, routes=[route(CHARGES, key="required")])
+        gateway = await gateways.start(config, database_url=postgres_url)
+        headers = {"Idempotency-Key": uuid.uuid4().hex, "Authorization": uuid.uuid4().hex}
+        response = await gateway.client.post(CHARGES + "/./x/..", content=CHARGE, headers=headers)
+
+    assert response.status_code == 201
+    assert matched == [CHARGES]
+    assert [e.raw_path for e in upstream.executions] == [CHARGES]
+
+
+async def test_library_mode_canonicalizes_before_choosing_the_policy(
+    store: RecordStore, unique: Callable[[str], str]
+) -> None:
+    api = FastAPI()
+    api.add_middleware(
+        IdempotencyMiddleware, store=store, policy={CHARGES: IdempotencyConfig(key="required")}
+    )
+    seen: list[str] = []
+
+    @api.post("/{path:path}")
+    async def anything(request: Request) -> dict[str, str]:
+        seen.append(request.scope["raw_path"].decode())
+        return {"path": request.url.path}
+
+    async with serve_asgi(api) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        async def send(target: bytes, headers: list[tuple[bytes, bytes]]) -> Reply | None:
+            return await asyncio.to_thread(exchange, port, raw_request(b"POST", target, headers))
+
+        unkeyed = await send(b"/v1/public/%2e%2e/charges", [])
+        refused = await send(b"/v1/public/..%2Fcharges", [])
+        keyed = await send(b"//v1/public/../charges", [(b"Idempotency-Key", unique("k").encode())])
+
+    assert unkeyed is not None
+    assert (unkeyed.status, slug(unkeyed)) == (400, "idempotency-key-missing")
+    assert refused is not None
+    assert (refused.status, slug(refused)) == (400, "request-target-invalid")
+    assert keyed is not None
+    assert keyed.status == 200
+    assert seen == [CHARGES]  # the app saw the canonical path the policy was chosen by
