@@ -7,9 +7,9 @@ edge cases), bodies (not JSON under a JSON type, deep nesting, huge numbers, ove
 uploads cut short, slow trickles), paths and query strings (percent-encoding, dot segments,
 very long) and odd headers. Every request gets an RFC 9457 problem from the gateway, or the
 upstream's answer to exactly the request sent (canonical path, query and body byte for byte),
-or, for bytes that are not HTTP at all, the server's 400; never a 500, never an undocumented 5xx; and the
-gateway still answers afterwards. An independent key parser written from the spec is the
-oracle for which keys are accepted.
+or, for bytes that are not HTTP at all, the server's 400; never a 500, never an undocumented
+5xx; and the gateway still answers afterwards. An independent key parser written from the
+spec is the oracle for which keys are accepted.
 
 Schemathesis checks the admin API against its own OpenAPI document (no 5xx, statuses,
 content types and bodies as documented). A run with distinctive credentials leaves them in
