@@ -24,7 +24,6 @@ import contextlib
 import json
 import re
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -52,6 +51,7 @@ from idempotency_gateway.main import create_gateway
 from idempotency_gateway.target import canonical_path
 from tests.faults.checker import DOCUMENTED_5XX
 from tests.support import GatewayProcess, RecordingUpstream, write_config
+from tests.support.background import InBackgroundThread
 from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route
 from tests.support.servers import serve_asgi
 from tests.support.upstream import BEHAVIOR_HEADER, EXECUTION_HEADER, Execution
@@ -87,32 +87,19 @@ def hostile_config(upstream_url: str) -> GatewayConfig:
 # ------------------------------------------------------------------ the gateway in a thread
 
 
-class BackgroundGateway:
+class BackgroundGateway(InBackgroundThread):
     """``create_gateway`` and the recording upstream, served over loopback from a thread with
     its own event loop, so synchronous hypothesis tests can talk to it with raw sockets."""
 
     def __init__(self, *, database_url: str, redis_url: str | None = None) -> None:
+        super().__init__(name="hostile-gateway", startup_timeout=30.0)
         self.database_url = database_url
         self.redis_url = redis_url
         self.port = 0
         self.admin_url = ""
         self.upstream: RecordingUpstream | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="hostile-gateway", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:  # reported to the test thread, never lost in this one
-            self._failure = exc
-            self._ready.set()
 
     async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
         async with RecordingUpstream() as upstream:
             gateway = create_gateway(
                 hostile_config(upstream.url),
@@ -127,21 +114,8 @@ class BackgroundGateway:
                 self.upstream = upstream
                 self.port = int(url.rsplit(":", 1)[1])
                 self.admin_url = admin_url
-                self._ready.set()
-                await self._stop.wait()
-
-    def __enter__(self) -> BackgroundGateway:
-        self._thread.start()
-        if not self._ready.wait(30.0):
-            raise TimeoutError("the background gateway did not start within 30 s")
-        if self._failure is not None:
-            raise RuntimeError("the background gateway failed to start") from self._failure
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30.0)
+                self._started()
+                await self._stopping()
 
     def executions_of(self, tenant: bytes) -> list[Execution]:
         assert self.upstream is not None

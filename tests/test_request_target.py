@@ -18,7 +18,6 @@ problem (or the HTTP parser's own 400 for bytes that are no request line at all)
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.routing import PrefixRouter
 from idempotency_gateway.target import canonical_path
 from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_config
+from tests.support.background import InBackgroundThread
 from tests.support.gateway import GatewayLauncher, gateway_config, route
 from tests.support.upstream import Execution
 from tests.test_hostile_input import Reply, assert_clear_answer, exchange, request_bytes
@@ -112,33 +112,19 @@ def test_ambiguous_or_non_origin_form_targets_are_refused(raw: bytes) -> None:
 # ------------------------------------------------------------------- the live gateway
 
 
-class TargetStack:
-    """Recording upstream, sentinel and a gateway process, run by a thread's own event loop,
-    so synchronous hypothesis tests can talk to them with raw sockets."""
+class TargetStack(InBackgroundThread):
+    """Recording upstream, sentinel and a gateway process, run by a thread's own event loop."""
 
     def __init__(self, *, database_url: str, workdir: Path) -> None:
+        super().__init__(name="target-stack")
         self.database_url = database_url
         self.workdir = workdir
         self.upstream = RecordingUpstream()
         self.sentinel = RecordingUpstream()
         self.port = 0
         self.admin_port = 0
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="target-stack", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:  # reported to the test thread, never lost in this one
-            self._failure = exc
-            self._ready.set()
 
     async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
         async with self.upstream, self.sentinel:
             config = gateway_config(
                 self.upstream.url,
@@ -156,21 +142,8 @@ class TargetStack:
             )
             async with gateway:
                 self.port, self.admin_port = gateway.port, gateway.admin_port
-                self._ready.set()
-                await self._stop.wait()
-
-    def __enter__(self) -> TargetStack:
-        self._thread.start()
-        if not self._ready.wait(60.0):
-            raise TimeoutError("the gateway process did not start within 60 s")
-        if self._failure is not None:
-            raise RuntimeError("the gateway process failed to start") from self._failure
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30.0)
+                self._started()
+                await self._stopping()
 
     def send(self, raw: bytes) -> Reply | None:
         return exchange(self.port, raw)

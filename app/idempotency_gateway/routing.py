@@ -14,10 +14,7 @@ from typing import Generic, TypeVar
 
 from idempotency_gateway.asgi import ASGIApp, Receive, Scope, Send
 from idempotency_gateway.config import RouteConfig
-from idempotency_gateway.errors import InvalidRequestTarget
-from idempotency_gateway.problems import send_problem
-from idempotency_gateway.request_id import request_id_of
-from idempotency_gateway.target import canonical_prefix, remember, target_of
+from idempotency_gateway.target import canonical_prefix, remember, target_or_refuse
 
 T = TypeVar("T")
 
@@ -48,11 +45,8 @@ class RouteRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        try:
-            target = target_of(scope)
-        except InvalidRequestTarget as error:
-            # Refused before anything reads the body, touches the store or opens a connection.
-            await send_problem(send, error, request_id=request_id_of(scope))
+        target = await target_or_refuse(scope, send)
+        if target is None:
             return
         remember(scope, dataclasses.replace(target, route=self.router.match(target.path_text)))
         await self.app(scope, receive, send)

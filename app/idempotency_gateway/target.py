@@ -19,9 +19,11 @@ import string
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from idempotency_gateway.asgi import Scope
+from idempotency_gateway.asgi import Scope, Send
 from idempotency_gateway.config import RouteConfig
 from idempotency_gateway.errors import InvalidRequestTarget
+from idempotency_gateway.problems import send_problem
+from idempotency_gateway.request_id import request_id_of
 
 STATE_KEY = "request_target"
 
@@ -124,6 +126,16 @@ def target_of(scope: Scope) -> RequestTarget:
     if not isinstance(target, RequestTarget):
         target = state[STATE_KEY] = _canonical_target(scope)
     return target
+
+
+async def target_or_refuse(scope: Scope, send: Send) -> RequestTarget | None:
+    """The canonical target, or ``None`` once the client got its 400 problem: refused before
+    anything reads the body, touches the store or opens a connection."""
+    try:
+        return target_of(scope)
+    except InvalidRequestTarget as error:
+        await send_problem(send, error, request_id=request_id_of(scope))
+        return None
 
 
 def remember(scope: Scope, target: RequestTarget) -> None:

@@ -23,7 +23,6 @@ from idempotency_gateway.asgi import (
 from idempotency_gateway.config import KeyPolicy, StoreUnavailablePolicy
 from idempotency_gateway.errors import (
     GatewayError,
-    InvalidRequestTarget,
     KeyReusedWithDifferentRequest,
     MissingIdempotencyKey,
     OperationTooLong,
@@ -43,7 +42,7 @@ from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.idempotency.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.request_id import request_id_of
-from idempotency_gateway.target import RequestTarget, target_of
+from idempotency_gateway.target import RequestTarget, target_or_refuse
 from idempotency_gateway.telemetry.request_log import note_outcome, request_log_of
 
 log = logging.getLogger(__name__)
@@ -92,11 +91,9 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        try:
-            target = target_of(scope)
-        except InvalidRequestTarget as error:
+        target = await target_or_refuse(scope, send)
+        if target is None:
             note_outcome(scope, "rejected")
-            await send_problem(send, error, request_id=request_id_of(scope))
             return
         policy = self.policy_for(target)
         if policy is None or not policy.covers(scope["method"]):
