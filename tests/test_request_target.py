@@ -415,7 +415,7 @@ extra_headers = st.lists(
             ("X-Forwarded-Host", "127.0.0.1:{sentinel}"),
             ("X-Forwarded-Proto", "https"),
             ("Forwarded", "host=127.0.0.1:{admin}"),
-            ("Idempotency-Key", "dup"),
+            ("Idempotency-Key", "{unique}"),  # a second field when keyed
         ]
     ),
     max_size=3,
@@ -460,7 +460,8 @@ def assert_invariants(stack: TargetStack, reply: Reply | None, executions: list[
 def test_no_target_reaches_another_host_or_dodges_a_policy(
     stack: TargetStack, method: bytes, target: str, headers: list[tuple[str, str]], keyed: bool
 ) -> None:
-    ports = {"sentinel": stack.sentinel.port, "admin": stack.admin_port}
+    # Placeholders filled per example: a key from an earlier example would (rightly) be a 422.
+    ports = {"sentinel": stack.sentinel.port, "admin": stack.admin_port, "unique": uuid.uuid4()}
     fields = [(name.encode(), value.format(**ports).encode()) for name, value in headers]
     before = stack.upstream.total
     raw = raw_request(
