@@ -176,7 +176,7 @@ def test_scope_from_two_headers_keeps_tenants_apart(one: Headers, other: Headers
 def fingerprint(
     *,
     method: str = "POST",
-    path: str = "/v1/charges",
+    path: bytes = b"/v1/charges",
     query: bytes = b"",
     content_type: bytes | None = b"application/json",
     body: bytes = b'{"amount":1250,"currency":"EUR"}',
@@ -236,9 +236,8 @@ def test_invalid_json_under_json_content_type_hashes_as_bytes() -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        pytest.param(b'{"n":' + b"9" * 400 + b"}", id="huge-integer"),
-        pytest.param(b'{"n":9007199254740993}', id="integer-beyond-double"),
-        pytest.param(b'{"n":1e400}', id="float-overflow"),
+        pytest.param(b'{"n":1e999999999999999999999}', id="exponent-beyond-decimal"),
+        pytest.param(b'{"n":NaN}', id="nan"),
         pytest.param(b"[" * 100_000 + b"]" * 100_000, id="100000-nested-lists"),
         pytest.param(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, id="100000-nested-objects"),
         pytest.param(b"[" * 1000 + b"]" * 1000, id="1000-nested-lists"),
@@ -290,8 +289,8 @@ def test_query_values_change_the_hash(query: bytes, other_query: bytes) -> None:
     "difference",
     [
         pytest.param({"method": "PATCH"}, id="method"),
-        pytest.param({"path": "/v1/refunds"}, id="path"),
-        pytest.param({"path": "/v1/charges/"}, id="trailing-slash"),
+        pytest.param({"path": b"/v1/refunds"}, id="path"),
+        pytest.param({"path": b"/v1/charges/"}, id="trailing-slash"),
         pytest.param({"content_type": b"application/x-www-form-urlencoded"}, id="content-type"),
         pytest.param({"content_type": None}, id="no-content-type"),
         pytest.param({"body": b""}, id="empty-body"),

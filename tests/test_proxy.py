@@ -247,10 +247,10 @@ async def test_longest_prefix_wins_on_whole_segments(
     assert [e.path for e in upstream.executions] == ["/v1/chargesX", "/v1/refunds"]
 
 
-async def test_path_and_query_are_forwarded_byte_for_byte(
+async def test_a_canonical_path_and_any_query_are_forwarded_byte_for_byte(
     gateway: RunningGateway, upstream: RecordingUpstream
 ) -> None:
-    target = "/v1/files/a%2Fb/caf%C3%A9;v=1?b=2&a=%20x&a=1&empty=&flag&plus=1+1"
+    target = "/v1/files/a%3Ab/caf%C3%A9;v=1/@x:1?b=2&a=%20x&a=1&empty=&flag&plus=1+1&q=%2F..%2F"
 
     response = await gateway.client.get(target)
 

@@ -8,6 +8,7 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
     ├── RequestRejected                 the request itself is wrong (4xx)
     │   ├── InvalidIdempotencyKey         400
     │   ├── MissingIdempotencyKey         400
+    │   ├── InvalidRequestTarget          400
     │   ├── NoRouteMatched                404
     │   ├── RequestInFlight               409, Retry-After
     │   ├── RequestBodyTooLarge           413
@@ -61,6 +62,11 @@ class InvalidIdempotencyKey(RequestRejected):
 class MissingIdempotencyKey(RequestRejected):
     slug = "idempotency-key-missing"
     title = "Idempotency-Key required"
+
+
+class InvalidRequestTarget(RequestRejected):
+    slug = "request-target-invalid"
+    title = "Request target not accepted"
 
 
 class NoRouteMatched(RequestRejected):

@@ -1,7 +1,8 @@
 """``create_gateway``: the ASGI app of the gateway, assembled from a config.
 
-    proxy port:  AccessLogMiddleware (request id, log line, metrics) -> IdempotencyMiddleware
-                   -> ProxyApp -> upstreams
+    proxy port:  AccessLogMiddleware (request id, log line, metrics)
+                   -> RouteRequests (canonical target and its route, once)
+                   -> IdempotencyMiddleware -> ProxyApp -> upstreams
     admin port:  the admin FastAPI app (health, readiness, metrics, operator API)
 
 One ASGI app serves both listeners and tells them apart by the local port of the connection,
@@ -29,7 +30,7 @@ from idempotency_gateway.config import (
 )
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
-from idempotency_gateway.idempotency.policy import RoutePolicy
+from idempotency_gateway.idempotency.policy import RoutePolicies
 from idempotency_gateway.idempotency.redis_cache import RedisCache, connect_redis
 from idempotency_gateway.idempotency.store import RecordStore, utc_now
 from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
@@ -41,7 +42,7 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.resilience.breaker import BreakerState
-from idempotency_gateway.routing import PrefixRouter
+from idempotency_gateway.routing import RouteRequests
 from idempotency_gateway.telemetry.metrics import (
     BREAKER_STATE,
     BREAKER_STATE_VALUES,
@@ -106,23 +107,19 @@ class Gateway:
         breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
         self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
         self.sweeper = Sweeper(self.store, config.sweeper)
-        policies = PrefixRouter(
-            (route.match.path_prefix, RoutePolicy(route.name, route.idempotency))
-            for route in config.routes
-        )
         self.idempotency = IdempotencyMiddleware(
             ProxyApp(config, self.upstreams),
             store=self.store,
             cache=self.cache,
             wakeups=self.wakeups,
-            policy=policies.match,
+            policy=RoutePolicies(config.routes),
             scope_headers=config.scope.headers,
             header_name=config.idempotency_header,
             max_request_body=config.limits.max_request_body,
             store_unavailable=config.store_unavailable,
             finalize_attempts=config.store.finalize_attempts,
         )
-        self.app = AccessLogMiddleware(self.idempotency)
+        self.app = AccessLogMiddleware(RouteRequests(self.idempotency, config.routes))
         self.admin = create_admin_app(
             AdminContext(
                 store=self.store,

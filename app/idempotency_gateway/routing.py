@@ -1,22 +1,30 @@
-"""Longest-prefix matching of request paths, on whole path segments.
+"""Routing: the canonical target and its route, decided once per request.
 
-``/v1/charges`` matches ``/v1/charges`` and ``/v1/charges/ch_1`` but not ``/v1/chargesX``:
-a prefix that splits a segment would route by accident.
+``PrefixRouter`` matches on whole path segments: ``/v1/charges`` matches ``/v1/charges`` and
+``/v1/charges/ch_1`` but not ``/v1/chargesX`` (a prefix that splits a segment would route by
+accident). ``RouteRequests`` is the gateway's outermost routing layer: it canonicalizes the
+target, matches it, and stores both in the scope for the idempotency layer and the proxy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Generic, TypeVar
+
+from idempotency_gateway.asgi import ASGIApp, Receive, Scope, Send
+from idempotency_gateway.config import RouteConfig
+from idempotency_gateway.target import canonical_prefix, remember, target_or_refuse
 
 T = TypeVar("T")
 
 
 class PrefixRouter(Generic[T]):
     def __init__(self, entries: Iterable[tuple[str, T]]) -> None:
-        # Longest first, so the first hit is the most specific route.
+        # Longest first, so the first hit is the most specific route. Prefixes are compared in
+        # the canonical form the request paths arrive in.
         self._entries = sorted(
-            ((prefix.rstrip("/"), value) for prefix, value in entries),
+            ((canonical_prefix(prefix), value) for prefix, value in entries),
             key=lambda entry: len(entry[0]),
             reverse=True,
         )
@@ -26,3 +34,19 @@ class PrefixRouter(Generic[T]):
             if not prefix or path == prefix or path.startswith(prefix + "/"):
                 return value
         return None
+
+
+class RouteRequests:
+    def __init__(self, app: ASGIApp, routes: Iterable[RouteConfig]) -> None:
+        self.app = app
+        self.router = PrefixRouter((route.match.path_prefix, route) for route in routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        target = await target_or_refuse(scope, send)
+        if target is None:
+            return
+        remember(scope, dataclasses.replace(target, route=self.router.match(target.path_text)))
+        await self.app(scope, receive, send)

@@ -1,20 +1,32 @@
 """The request fingerprint (``request_hash``) that tells a retry from a different request.
 
-SHA-256 over method, path, sorted query, content type, chosen extra headers and the body.
-JSON bodies are canonicalized with RFC 8785 first, so key order and whitespace do not turn a
-faithful retry into a 422. A body that does not parse, or that RFC 8785 cannot represent
-(integers beyond IEEE 754 doubles, for one), is hashed as bytes: still exact, only stricter.
+SHA-256 over method, canonical path bytes, sorted query, content type, chosen extra headers
+and the body. JSON bodies are canonicalized first, so key order and whitespace do not turn a
+faithful retry into a 422; the canonical form is lossless, so two different requests never
+share a fingerprint:
+
+- numbers are compared by exact decimal value (``20`` and ``19.999999999999999`` differ,
+  integers of any size keep every digit); ``1``, ``1.0`` and ``1e0`` are the same value;
+- a body with a duplicate object key, a number the decimal type cannot hold, ``NaN``,
+  a string that cannot be re-encoded, or anything that does not parse is hashed as bytes:
+  still exact, only stricter (a changed byte is a different request).
 """
 
 from __future__ import annotations
 
+import decimal
 import hashlib
+import json
+from typing import Any
 from urllib.parse import parse_qsl
 
 import orjson
-import rfc8785
 
 from idempotency_gateway.asgi import Headers, first_header, header_values
+
+
+class _NotCanonical(Exception):
+    """The body has no canonical JSON form; it is compared as bytes."""
 
 
 def _is_json(content_type: bytes) -> bool:
@@ -22,13 +34,74 @@ def _is_json(content_type: bytes) -> bool:
     return media_type == b"application/json" or media_type.endswith(b"+json")
 
 
-def canonical_body(content_type: bytes, body: bytes) -> bytes:
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        # Parsers disagree on which duplicate wins: the upstream may act on the other one.
+        raise _NotCanonical
+    return members
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotCanonical  # NaN, Infinity: not JSON, and no exact value
+
+
+def _canonical_number(value: decimal.Decimal) -> bytes:
+    """The exact value as ``[-]digitsEexponent`` with no trailing zeros: no rounding, so
+    equal strings mean equal values and nothing else."""
+    sign, digits, exponent = value.as_tuple()
+    if not isinstance(exponent, int):
+        raise _NotCanonical
+    while len(digits) > 1 and digits[-1] == 0:
+        digits, exponent = digits[:-1], exponent + 1
+    if digits == (0,):
+        return b"0"
+    return (b"-" if sign else b"") + "".join(map(str, digits)).encode() + b"E%d" % exponent
+
+
+def _canonical(value: Any, out: list[bytes]) -> None:
+    if isinstance(value, dict):
+        out.append(b"{")
+        for index, name in enumerate(sorted(value)):
+            out.append(b"," if index else b"")
+            out.append(orjson.dumps(name) + b":")
+            _canonical(value[name], out)
+        out.append(b"}")
+    elif isinstance(value, list):
+        out.append(b"[")
+        for index, item in enumerate(value):
+            out.append(b"," if index else b"")
+            _canonical(item, out)
+        out.append(b"]")
+    elif isinstance(value, decimal.Decimal):
+        out.append(_canonical_number(value))
+    else:  # str, True, False, None: orjson writes each one way only
+        out.append(orjson.dumps(value))
+
+
+def canonical_json(content_type: bytes, body: bytes) -> bytes | None:
+    """The body's canonical JSON form, or ``None`` when it is compared as bytes."""
     if not body or not _is_json(content_type):
-        return body
+        return None
     try:
-        return rfc8785.dumps(orjson.loads(body))
-    except (orjson.JSONDecodeError, rfc8785.CanonicalizationError, RecursionError):
-        return body
+        parsed = json.loads(
+            body,
+            parse_float=decimal.Decimal,
+            parse_int=decimal.Decimal,
+            parse_constant=_refuse_constant,
+            object_pairs_hook=_unique_members,
+        )
+        out: list[bytes] = []
+        _canonical(parsed, out)
+    except (
+        _NotCanonical,
+        ValueError,  # not JSON, not UTF-8/16/32
+        decimal.InvalidOperation,  # an exponent beyond what Decimal holds
+        orjson.JSONEncodeError,  # a lone surrogate in a string
+        RecursionError,
+    ):
+        return None
+    return b"".join(out)
 
 
 def _field(digest: hashlib._Hash, value: bytes) -> None:
@@ -40,7 +113,7 @@ def _field(digest: hashlib._Hash, value: bytes) -> None:
 def request_hash(
     *,
     method: str,
-    path: str,
+    path: bytes,
     query_string: bytes,
     headers: Headers,
     body: bytes,
@@ -48,7 +121,7 @@ def request_hash(
 ) -> str:
     digest = hashlib.sha256()
     _field(digest, method.encode())
-    _field(digest, path.encode())
+    _field(digest, path)
     # Percent-decoded to latin-1, one code point per byte: every query decodes and encodes
     # back exactly (UTF-8 decoding turned "%E2%82%AC" into a character latin-1 cannot hold).
     query = sorted(
@@ -65,5 +138,8 @@ def request_hash(
         _field(digest, name + b":" + str(len(values)).encode())
         for value in values:
             _field(digest, value)
-    _field(digest, canonical_body(content_type, body))
+    canonical = canonical_json(content_type, body)
+    # Tagged, so a canonical form never equals a body compared as bytes.
+    _field(digest, b"bytes" if canonical is None else b"json")
+    _field(digest, body if canonical is None else canonical)
     return digest.hexdigest()

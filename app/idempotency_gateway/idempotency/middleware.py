@@ -42,6 +42,7 @@ from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.idempotency.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.request_id import request_id_of
+from idempotency_gateway.target import RequestTarget, target_or_refuse
 from idempotency_gateway.telemetry.request_log import note_outcome, request_log_of
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,11 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        policy = self.policy_for(scope["path"])
+        target = await target_or_refuse(scope, send)
+        if target is None:
+            note_outcome(scope, "rejected")
+            return
+        policy = self.policy_for(target)
         if policy is None or not policy.covers(scope["method"]):
             await self.app(scope, receive, send)
             return
@@ -98,7 +103,7 @@ class IdempotencyMiddleware:
         if entry is not None:
             entry.route = policy.name
         try:
-            await self._protect(scope, receive, send, policy)
+            await self._protect(scope, receive, send, policy, target)
         except ClientDisconnected:
             return
         except GatewayError as error:
@@ -111,7 +116,7 @@ class IdempotencyMiddleware:
             await send_problem(send, error, request_id=request_id_of(scope))
 
     async def _protect(
-        self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy
+        self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy, target: RequestTarget
     ) -> None:
         headers = scope["headers"]
         key = parse_idempotency_key(headers, self.header_name)
@@ -122,16 +127,13 @@ class IdempotencyMiddleware:
                 )
             await self.app(scope, receive, send)
             return
-        operation = policy.operation(scope["method"], scope["path"])
+        operation = policy.operation(scope["method"], target)
         if len(operation) > OPERATION_MAX_LENGTH:
             # The record could not hold it: refused before any store access, like a 413.
             raise OperationTooLong(
                 f"the operation ({scope['method']} and the path) is longer than "
                 f"{OPERATION_MAX_LENGTH} characters; keyed requests need a shorter path"
             )
-        if "\x00" in operation:
-            # PostgreSQL text cannot hold NUL: without this the store would fail (503).
-            raise RequestRejected("the path holds a NUL character (%00); keyed requests cannot")
         body = await read_body(receive, headers, limit=self.max_request_body)
         request = KeyedRequest(
             scope=scope,
@@ -145,8 +147,8 @@ class IdempotencyMiddleware:
             ),
             fingerprint=request_hash(
                 method=scope["method"],
-                path=scope["path"],
-                query_string=scope.get("query_string", b""),
+                path=target.path,
+                query_string=target.query,
                 headers=headers,
                 body=body,
                 extra_headers=policy.fingerprint_headers,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from idempotency_gateway.config import IdempotencyConfig, KeyPolicy
+from idempotency_gateway.config import IdempotencyConfig, KeyPolicy, RouteConfig
 from idempotency_gateway.routing import PrefixRouter
+from idempotency_gateway.target import RequestTarget
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,22 +23,42 @@ class RoutePolicy:
     def covers(self, method: str) -> bool:
         return self.config.key is not KeyPolicy.OFF and method in self.config.methods
 
-    def operation(self, method: str, path: str) -> str:
-        return self.config.operation or f"{method} {path}"
+    def operation(self, method: str, target: RequestTarget) -> str:
+        # The canonical path is ASCII (other octets stay percent-encoded): two different
+        # paths never become one operation.
+        return self.config.operation or f"{method} {target.path_text}"
 
 
-PolicyResolver = Callable[[str], RoutePolicy | None]
-PolicySource = IdempotencyConfig | Mapping[str, IdempotencyConfig] | PolicyResolver
+class RoutePolicies:
+    """The gateway's policies: the one of the route already matched for the request."""
+
+    def __init__(self, routes: Iterable[RouteConfig]) -> None:
+        # Keyed by the route itself (frozen, so hashed by value): names need not be unique.
+        self._by_route = {route: RoutePolicy(route.name, route.idempotency) for route in routes}
+
+    def __call__(self, target: RequestTarget) -> RoutePolicy | None:
+        return None if target.route is None else self._by_route[target.route]
+
+
+PolicyResolver = Callable[[RequestTarget], RoutePolicy | None]
+PathPolicyResolver = Callable[[str], RoutePolicy | None]
+PolicySource = (
+    IdempotencyConfig | Mapping[str, IdempotencyConfig] | RoutePolicies | PathPolicyResolver
+)
 
 
 def resolver_for(source: PolicySource) -> PolicyResolver:
-    """Library users may give one policy, a ``{path_prefix: policy}`` map, or a function."""
+    """Library users may give one policy, a ``{path_prefix: policy}`` map, or a function of
+    the canonical path; the gateway gives its ``RoutePolicies``."""
+    if isinstance(source, RoutePolicies):
+        return source
     if isinstance(source, IdempotencyConfig):
         everywhere = RoutePolicy("default", source)
-        return lambda _path: everywhere
+        return lambda _target: everywhere
     if isinstance(source, Mapping):
         router = PrefixRouter(
             (prefix, RoutePolicy(prefix, config)) for prefix, config in source.items()
         )
-        return router.match
-    return source
+        return lambda target: router.match(target.path_text)
+    path_resolver = source
+    return lambda target: path_resolver(target.path_text)

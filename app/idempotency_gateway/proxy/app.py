@@ -3,12 +3,15 @@
 Responses stream to the client as they arrive. Upstream failures become 502/504 problems,
 and the idempotency layer is told whether the request left (``NOT_EXECUTED``) or may have
 been acted on (``AMBIGUOUS``), which is what decides whether a key may run again.
+Requests arrive routed (``routing.RouteRequests``): the canonical target and its route are in
+the scope.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from yarl import URL
 
 from idempotency_gateway.asgi import ClientDisconnected, Receive, Scope, Send, read_body
 from idempotency_gateway.config import GatewayConfig, OnAmbiguous, RouteConfig
@@ -25,7 +28,7 @@ from idempotency_gateway.proxy.resilient import (
     RetryPlan,
 )
 from idempotency_gateway.request_id import request_id_of
-from idempotency_gateway.routing import PrefixRouter
+from idempotency_gateway.target import RequestTarget, target_of
 from idempotency_gateway.telemetry.request_log import request_log_of
 
 
@@ -33,19 +36,34 @@ class ResponseCutShort(Exception):
     """The upstream's answer broke off mid-body; the server closes the client's connection."""
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
-    config: RouteConfig
-    upstream: ResilientUpstream
+def upstream_url(base: URL, target: RequestTarget) -> str:
+    """The configured base with the client's canonical path and query joined on.
+
+    Scheme, authority and the base's own path come from the config alone: the canonical
+    path starts with ``/`` and holds only path characters, so nothing in it can be read as
+    userinfo, a host or a port, and the query follows it as a query.
+    """
+    url = URL.build(
+        scheme=base.scheme,
+        user=base.raw_user,
+        password=base.raw_password,
+        host=base.raw_host or "",
+        port=base.explicit_port,
+        path=base.raw_path.rstrip("/") + target.path_text,
+        query_string=target.query.decode("latin-1"),
+        encoded=True,
+    )
+    return str(url)
 
 
 class ProxyApp:
     def __init__(self, config: GatewayConfig, upstreams: Mapping[str, ResilientUpstream]) -> None:
         self.config = config
-        self.router = PrefixRouter(
-            (route.match.path_prefix, Route(route, upstreams[route.upstream]))
-            for route in config.routes
-        )
+        self.upstreams = upstreams
+        # Parsed once: a request never gets to take part in parsing where it goes.
+        self.bases = {
+            name: URL(upstream.client.config.base_url) for name, upstream in upstreams.items()
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,15 +93,17 @@ class ProxyApp:
             error.retryable = True
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.router.match(scope["path"])
+        target = target_of(scope)
+        route = target.route
         if route is None:
-            raise NoRouteMatched(f"no route matches {scope['path']}")
+            raise NoRouteMatched(f"no route matches {target.path_text}")
+        upstream = self.upstreams[route.upstream]
         entry = request_log_of(scope)
         if entry is not None:
-            entry.route, entry.upstream = route.config.name, route.upstream.name
+            entry.route, entry.upstream = route.name, upstream.name
         headers = scope["headers"]
         body = await read_body(receive, headers, limit=self.config.limits.max_request_body)
-        url = self._upstream_url(route, scope)
+        url = upstream_url(self.bases[route.upstream], target)
 
         def make_request(head_within: float) -> UpstreamRequest:
             return UpstreamRequest(
@@ -97,8 +117,8 @@ class ProxyApp:
                 body=body,
             )
 
-        deadline = Deadline.for_request(headers, route.upstream.client.config.timeouts.total)
-        response = await route.upstream.open(
+        deadline = Deadline.for_request(headers, upstream.client.config.timeouts.total)
+        response = await upstream.open(
             make_request,
             deadline=deadline,
             plan=self._retry_plan(route, scope),
@@ -113,30 +133,24 @@ class ProxyApp:
         finally:
             response.release()
 
-    def _retries_ambiguous(self, scope: Scope) -> bool:
-        route = self.router.match(scope["path"])
-        return route is not None and route.config.idempotency.on_ambiguous is OnAmbiguous.RETRY
+    @staticmethod
+    def _retries_ambiguous(scope: Scope) -> bool:
+        route = target_of(scope).route
+        return route is not None and route.idempotency.on_ambiguous is OnAmbiguous.RETRY
 
     @staticmethod
-    def _retry_plan(route: Route, scope: Scope) -> RetryPlan:
+    def _retry_plan(route: RouteConfig, scope: Scope) -> RetryPlan:
         method = scope["method"]
         # A key forwarded upstream makes any method safe to resend: the record and the
         # upstream both dedupe on it.
         keyed = execution_of(scope) is not None
-        idempotency = route.config.idempotency
+        idempotency = route.idempotency
         return RetryPlan(
             idempotent=keyed or method in IDEMPOTENT_METHODS,
             retry_ambiguous=method in SAFE_METHODS
             or (keyed and idempotency.on_ambiguous is OnAmbiguous.RETRY),
             ambiguous_statuses=idempotency.outcomes.ambiguous,
         )
-
-    @staticmethod
-    def _upstream_url(route: Route, scope: Scope) -> str:
-        path: bytes = scope.get("raw_path") or scope["path"].encode()
-        query: bytes = scope.get("query_string", b"")
-        target = path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
-        return route.upstream.client.config.base_url + target
 
     @staticmethod
     async def _stream_back(scope: Scope, response: UpstreamResponse, send: Send) -> None:

@@ -1,0 +1,108 @@
+"""Two JSON bodies whose values differ exactly never share a fingerprint; equal values do.
+
+The oracle is independent of the canonical form: numbers become ``Fraction`` (exact), and
+every value is tagged with its JSON type, so ``true`` never equals ``1``.
+"""
+
+from __future__ import annotations
+
+import decimal
+import json
+from fractions import Fraction
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from idempotency_gateway.idempotency.fingerprint import request_hash
+
+numbers = st.one_of(
+    st.integers(min_value=-(2**130), max_value=2**130),
+    st.decimals(allow_nan=False, allow_infinity=False, places=None),
+    st.sampled_from(
+        [decimal.Decimal(text) for text in ("20", "19.999999999999999", "2e1", "1.0", "-0", "0e9")]
+    ),
+)
+scalars = st.one_of(st.none(), st.booleans(), st.text(max_size=5), numbers)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def exact(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return (type(value).__name__, value)
+    if isinstance(value, int | decimal.Decimal):
+        return ("number", Fraction(value))
+    if isinstance(value, list):
+        return ("array", tuple(exact(item) for item in value))
+    return ("object", frozenset((name, exact(item)) for name, item in value.items()))
+
+
+def as_json(value: Any) -> bytes:
+    if isinstance(value, decimal.Decimal):
+        return str(value).encode()  # exact: 1E+3, 0.000001, -0
+    if isinstance(value, list):
+        return b"[" + b",".join(as_json(item) for item in value) + b"]"
+    if isinstance(value, dict):
+        members = (json.dumps(name).encode() + b":" + as_json(item) for name, item in value.items())
+        return b"{" + b",".join(members) + b"}"
+    return json.dumps(value).encode()
+
+
+def fingerprint(body: bytes) -> str:
+    return request_hash(
+        method="POST",
+        path=b"/v1/charges",
+        query_string=b"",
+        headers=[(b"content-type", b"application/json")],
+        body=body,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(first=values, second=values)
+def test_fingerprints_are_equal_exactly_when_the_values_are(first: Any, second: Any) -> None:
+    same = exact(first) == exact(second)
+
+    assert (fingerprint(as_json(first)) == fingerprint(as_json(second))) is same
+
+
+@pytest.mark.parametrize(
+    ("body", "other"),
+    [
+        (b'{"amount": 20}', b'{"amount": 19.999999999999999}'),
+        (b"18446744073709551616", b"18446744073709551617"),
+        (b"1" + b"0" * 5000, b"1" + b"0" * 4999 + b"1"),
+        (b'{"a": 2}', b'{"a": 1, "a": 2}'),
+        (b'{"a": 1, "a": 2}', b'{"a": 2, "a": 1}'),
+        (b'"\\ud800"', b'"\\ud801"'),
+        (b"true", b"1"),
+    ],
+)
+def test_values_that_differ_exactly_are_different_requests(body: bytes, other: bytes) -> None:
+    assert fingerprint(body) != fingerprint(other)
+
+
+@pytest.mark.parametrize(
+    ("body", "same"),
+    [
+        (b'{"amount": 20, "n": 1}', b'{"n":1.0,"amount":2e1}'),
+        (b"[0]", b"[-0.000]"),
+        (b"18446744073709551616", b"1.8446744073709551616e19"),
+    ],
+)
+def test_the_same_exact_value_written_differently_is_one_request(body: bytes, same: bytes) -> None:
+    assert fingerprint(body) == fingerprint(same)
+
+
+def test_a_body_with_duplicate_keys_is_compared_as_bytes() -> None:
+    duplicated = b'{"a": 1, "a": 2}'
+
+    assert fingerprint(duplicated) == fingerprint(duplicated)
+    assert fingerprint(duplicated) != fingerprint(b'{"a":1,"a":2}')  # whitespace now counts
