@@ -19,9 +19,11 @@ NAME = "idempotency_gateway"
 
 # Lowest first. A name is a top-level module or a folder of the package.
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"errors", "config", "routing"}),
+    frozenset({"errors", "config"}),
     frozenset({"asgi"}),
     frozenset({"problems", "request_id", "execution"}),
+    frozenset({"target"}),
+    frozenset({"routing"}),
     frozenset({"telemetry"}),
     frozenset({"resilience"}),
     frozenset({"idempotency", "proxy"}),
