@@ -75,7 +75,7 @@ class RedisNode(StartedInContext):
                 return False
 
         try:
-            await eventually(answers, message=f"redis-server on {self.port} answers PING")
+            _: bool = await eventually(answers, message=f"redis-server on {self.port} answers PING")
         finally:
             await client.aclose()
 
@@ -121,13 +121,13 @@ class RedisClusterNodes(StartedInContext):
         output, _ = await create.communicate()
         if create.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {output.decode()}")
-        await eventually(self._healthy, message="every node reports cluster_state:ok")
+        _: bool = await eventually(self._healthy, message="every node reports cluster_state:ok")
 
     async def _healthy(self) -> bool:
         for node in self.nodes:
             client = redis.asyncio.Redis.from_url(node.url, socket_timeout=0.5)
             try:
-                info = await client.execute_command("CLUSTER", "INFO")
+                info = await client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
             except (RedisError, OSError):
                 return False
             finally:
@@ -137,7 +137,7 @@ class RedisClusterNodes(StartedInContext):
         return True
 
     async def wait_healthy(self) -> None:
-        await eventually(self._healthy, timeout=20.0, message="cluster_state:ok again")
+        _: bool = await eventually(self._healthy, timeout=20.0, message="cluster_state:ok again")
 
     async def close(self) -> None:
         for node in self.nodes:
