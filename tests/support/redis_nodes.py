@@ -39,6 +39,7 @@ class RedisNode(StartedInContext):
     def __init__(self, *, cluster_dir: Path | None = None) -> None:
         self.port = free_port()
         self.cluster_dir = cluster_dir
+        self.bus_port = free_port()
         self._process: asyncio.subprocess.Process | None = None
 
     @property
@@ -57,6 +58,9 @@ class RedisNode(StartedInContext):
             options += ["--cluster-enabled", "yes", "--dir", str(self.cluster_dir)]
             options += ["--cluster-config-file", f"nodes-{self.port}.conf"]
             options += ["--cluster-node-timeout", "1000"]
+            # Its own bus port: the default (port + 10000) overflows for ephemeral ports.
+            options += ["--cluster-port", str(self.bus_port)]
+            options += ["--logfile", str(self.cluster_dir / f"redis-{self.port}.log")]
         self._process = await asyncio.create_subprocess_exec(
             redis_server_path(),
             *options,
@@ -68,7 +72,9 @@ class RedisNode(StartedInContext):
 
         async def answers() -> bool:
             if self._process is None or self._process.returncode is not None:
-                raise RuntimeError(f"redis-server on port {self.port} exited at start")
+                raise RuntimeError(
+                    f"redis-server on port {self.port} exited at start{self._log_tail()}"
+                )
             try:
                 return bool(await client.ping())
             except (RedisError, OSError):
@@ -78,6 +84,12 @@ class RedisNode(StartedInContext):
             _: bool = await eventually(answers, message=f"redis-server on {self.port} answers PING")
         finally:
             await client.aclose()
+
+    def _log_tail(self) -> str:
+        if self.cluster_dir is None:
+            return ""
+        log = self.cluster_dir / f"redis-{self.port}.log"
+        return ": " + " | ".join(log.read_text().splitlines()[-3:]) if log.exists() else ""
 
     def pause(self) -> None:
         """SIGSTOP: connections stay open, nothing answers."""
@@ -118,7 +130,7 @@ class RedisClusterNodes(StartedInContext):
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
-        output, _ = await create.communicate()
+        output = (await create.communicate())[0]
         if create.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {output.decode()}")
         _: bool = await eventually(self._healthy, message="every node reports cluster_state:ok")

@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import TypeVar
 
 from redis.asyncio import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
@@ -46,7 +46,9 @@ CACHE_BREAKER = BreakerConfig(
 # What a Redis call raises when Redis is down, slow or killed mid-call. uvloop raises
 # RuntimeError ("the handler is closed") when the connection dies under a write, such as the
 # HELLO of a reconnect: found by the fault suite, a 500 to the client before it was listed.
-REDIS_FAILURES = (RedisError, OSError, TimeoutError, RuntimeError)
+# A cluster client raises RedisClusterException (not a RedisError) for a slot no live node
+# covers, such as before its first topology read.
+REDIS_FAILURES = (RedisError, RedisClusterException, OSError, TimeoutError, RuntimeError)
 
 WAKEUP_CHANNEL_PREFIX = "idgw:w:"
 

@@ -68,9 +68,9 @@ def connect_redis(url: str, *, timeout: float | None, connect_timeout: float) ->
         ssl=_CLUSTER_SCHEMES[url.partition("://")[0].lower()],
         socket_timeout=timeout,
         socket_connect_timeout=connect_timeout,
+        # No retries here either (they would re-read the topology on the request's time):
+        # the next request after a failure finds the moved slot or the restarted node.
         retry=no_retry,
         # One dead primary must cost only its own slots, not every key.
         require_full_coverage=False,
-        # Each retry re-reads the topology: that is the breaker's and the next request's job.
-        cluster_error_retry_attempts=0,
     )

@@ -129,6 +129,8 @@ class RedisWakeups(LocalWakeups):
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 if isinstance(pubsub, ClusterPubSub):
+                    assert isinstance(self.redis, RedisCluster)
+                    await self.redis.initialize()  # the slot map, to route each SSUBSCRIBE
                     await self._listen_sharded(pubsub)
                 else:
                     await self._listen(pubsub)
