@@ -117,10 +117,6 @@ class RedisWakeups(LocalWakeups):
         self._pubsub: PubSub | None = None
         self._listener: asyncio.Task[None] | None = None
 
-    @property
-    def sharded(self) -> bool:
-        return isinstance(self.redis, RedisCluster)
-
     async def start(self) -> None:
         self._listener = asyncio.create_task(self._listen_forever())
 
