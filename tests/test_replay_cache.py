@@ -35,7 +35,8 @@ from idempotency_gateway.idempotency.cache import (
     encode,
 )
 from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.redis_cache import RedisCache, connect_redis
+from idempotency_gateway.idempotency.redis_cache import RedisCache
+from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState
 from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.gateway import (

@@ -31,7 +31,8 @@ from idempotency_gateway.config import (
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
-from idempotency_gateway.idempotency.redis_cache import RedisCache, connect_redis
+from idempotency_gateway.idempotency.redis_cache import RedisCache
+from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.idempotency.store import RecordStore, utc_now
 from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.migrate import upgrade_to_head_async

@@ -56,12 +56,13 @@ class CachedAnswer:
 
 
 def cache_key(key: RecordKey, *, prefix: str = "idgw:r:") -> str:
-    """A fixed-length name: client-chosen keys never shape the cache's key space."""
+    """A fixed-length name: client-chosen keys never shape the cache's key space. The digest
+    is a Redis Cluster hash tag, so a key's entry and its wake-up channel share a slot."""
     digest = hashlib.sha256()
     for part in (key.scope, key.operation, key.idempotency_key):
         encoded = part.encode()
         digest.update(len(encoded).to_bytes(4, "big") + encoded)
-    return prefix + digest.hexdigest()
+    return f"{prefix}{{{digest.hexdigest()}}}"
 
 
 def encode(answer: CachedAnswer) -> bytes:
@@ -107,7 +108,10 @@ def decode(raw: bytes, expected: RecordKey) -> CachedAnswer | None:
 class ReplayCache(Protocol):
     async def get(self, key: RecordKey) -> CachedAnswer | None: ...
 
-    async def put(self, answer: CachedAnswer) -> None: ...
+    async def put(self, answer: CachedAnswer) -> bool:
+        """True when storing it also woke the key's waiters in other processes (the Redis
+        cache publishes the wake-up in the same round trip as the entry)."""
+        ...
 
     async def delete(self, key: RecordKey) -> bool: ...
 
@@ -142,16 +146,17 @@ class InProcessCache:
         self._entries.move_to_end(key)
         return answer
 
-    async def put(self, answer: CachedAnswer) -> None:
+    async def put(self, answer: CachedAnswer) -> bool:
         size = len(answer.response.body)
         if size > self.max_bytes:
-            return
+            return False
         self._remove(answer.key)
         self._entries[answer.key] = answer
         self._bytes += size
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
             oldest = next(iter(self._entries))
             self._remove(oldest)
+        return False  # waiters of this process only, whom ``LocalWakeups`` wakes itself
 
     async def delete(self, key: RecordKey) -> bool:
         self._remove(key)

@@ -180,14 +180,14 @@ class IdempotencyEngine:
             request_id_of(request.scope),
         )
         run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
-        recorded = await self._record(request, run, Status.FAILED_FINAL, answer)
+        recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
         await send_stored(
             request.send,
             answer if recorded else self._not_of_record(request, run),
             replayed=False,
         )
         # Waiters re-read the store whatever happened; waking them never delays this answer.
-        await self.wakeups.notify(request.key)
+        await self.wakeups.notify(request.key, published=published)
 
     async def _execute(self, request: KeyedRequest, record: Record) -> None:
         note_outcome(request.scope, "executed")
@@ -218,7 +218,7 @@ class IdempotencyEngine:
             execution.report(Outcome.AMBIGUOUS)
         status = classify(capture.status or 500, execution.outcome, request.config)
         answer = self._answer_to_store(request, capture, status)
-        recorded = await self._record(request, run, status, answer)
+        recorded, published = await self._record(request, run, status, answer)
         if not recorded:
             # Fenced off, or the store is down: this answer is not the key's answer of record
             # (a newer owner's may be, or an "outcome unknown" later), so the client must not
@@ -239,7 +239,7 @@ class IdempotencyEngine:
             await capture.release()
         # Waiters re-read the store whatever happened (even a fenced finalize is news); waking
         # them never delays this answer.
-        await self.wakeups.notify(request.key)
+        await self.wakeups.notify(request.key, published=published)
 
     @staticmethod
     def _answer_to_store(
@@ -273,13 +273,15 @@ class IdempotencyEngine:
 
     async def _record(
         self, request: KeyedRequest, run: OwnerRun, status: Status, answer: StoredResponse | None
-    ) -> bool:
+    ) -> tuple[bool, bool]:
         """Finalize, then cache the recorded answer, both before the client has it: its
         immediate retry then finds the answer, and an operator deleting the record right
-        after never races a late cache write. True when the outcome was recorded."""
+        after never races a late cache write. (recorded, published): whether the outcome was
+        recorded, and whether caching it also woke waiters in other processes."""
         recorded = await run.finalize(status, answer, attempts=self.finalize_attempts)
+        published = False
         if recorded and answer is not None and status in REPLAYABLE:
-            await self.cache.put(
+            published = await self.cache.put(
                 CachedAnswer(
                     request.key,
                     request.fingerprint,
@@ -288,4 +290,4 @@ class IdempotencyEngine:
                     run.record.expires_at.timestamp(),
                 )
             )
-        return recorded
+        return recorded, published

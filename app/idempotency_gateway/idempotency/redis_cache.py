@@ -1,9 +1,14 @@
-"""The Redis ``ReplayCache``, built to fail soft.
+"""The Redis ``ReplayCache``, built to fail soft, on one node or a Redis Cluster.
 
 Redis down, slow or answering garbage must never surface to a client: every call has a
 timeout in milliseconds, every failure is a miss, and a small circuit breaker stops asking a
 dead Redis on every request (half-open probes find it again when it returns). Failures are
 logged at most once per interval, with the number that were not logged.
+
+Round trips: a replay is one GET; storing an answer is one pipelined SET + PUBLISH, which
+also wakes ``Prefer: wait`` waiters in other processes (see ``wakeups``). On a cluster the
+wake-up is a sharded SPUBLISH: the key's entry and its channel share a hash tag, so both
+commands go to the one node that owns the key, in one round trip.
 """
 
 from __future__ import annotations
@@ -15,15 +20,14 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TypeVar
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.asyncio import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
 from idempotency_gateway.idempotency.cache import CachedAnswer, cache_key, decode, encode
 from idempotency_gateway.idempotency.record import RecordKey
+from idempotency_gateway.idempotency.redis_connection import RedisClient
 from idempotency_gateway.idempotency.store import utc_now
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.degradation import DegradationLog
@@ -42,7 +46,16 @@ CACHE_BREAKER = BreakerConfig(
 # What a Redis call raises when Redis is down, slow or killed mid-call. uvloop raises
 # RuntimeError ("the handler is closed") when the connection dies under a write, such as the
 # HELLO of a reconnect: found by the fault suite, a 500 to the client before it was listed.
-REDIS_FAILURES = (RedisError, OSError, TimeoutError, RuntimeError)
+# A cluster client raises RedisClusterException (not a RedisError) for a slot no live node
+# covers, such as before its first topology read.
+REDIS_FAILURES = (RedisError, RedisClusterException, OSError, TimeoutError, RuntimeError)
+
+WAKEUP_CHANNEL_PREFIX = "idgw:w:"
+
+
+def wakeup_channel(key: RecordKey) -> str:
+    """The pub/sub channel a key's waiters listen on; same hash tag as its cache entry."""
+    return cache_key(key, prefix=WAKEUP_CHANNEL_PREFIX)
 
 
 class _Failed:
@@ -52,33 +65,20 @@ class _Failed:
 FAILED = _Failed()
 
 
-def connect_redis(url: str, *, timeout: float | None, connect_timeout: float) -> Redis:
-    """``timeout=None`` for a pub/sub subscriber, whose reads wait for messages. (The
-    ``hiredis`` extra makes redis-py parse replies in C: about a sixth more new keys per
-    second through a worker.)"""
-    return Redis.from_url(
-        url,
-        socket_timeout=timeout,
-        socket_connect_timeout=connect_timeout,
-        # The breaker decides when to try again; the client must not stall a request retrying.
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
-    )
-
-
 class RedisCache:
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         *,
         timeout: float,
         max_entry_bytes: int,
         clock: Callable[[], datetime] = utc_now,
+        breaker: CircuitBreaker | None = None,
     ) -> None:
         self.redis = redis
         self.timeout = timeout
         self.max_entry_bytes = max_entry_bytes
-        self.breaker = CircuitBreaker("redis-cache", CACHE_BREAKER)
+        self.breaker = breaker or CircuitBreaker("redis-cache", CACHE_BREAKER)
         self.degradation = DegradationLog("Redis cache", fallback="serving from the durable store")
         self._clock = clock
 
@@ -94,16 +94,20 @@ class RedisCache:
         except CircuitOpen:
             return FAILED
         started = time.perf_counter()
+        succeeded = False
         try:
             async with asyncio.timeout(self.timeout):
                 result = await call()
-        except REDIS_FAILURES as exc:
-            self.breaker.record(permit, failure=True)
+            succeeded = True
+        except Exception as exc:  # any failure of the fast path is a miss, never a 500
             self.degradation.failed(exc)
             return FAILED
         finally:
             CACHE_LATENCY.labels(operation).observe(time.perf_counter() - started)
-        self.breaker.record(permit, failure=False)
+            # Every admitted call reports, cancelled ones too: a half-open probe that never
+            # reported would hold the breaker's only permit and refuse Redis for good. A
+            # cancelled call counts as failed because nothing proved Redis healthy.
+            self.breaker.record(permit, failure=not succeeded)
         return result
 
     async def get(self, key: RecordKey) -> CachedAnswer | None:
@@ -120,13 +124,26 @@ class RedisCache:
         CACHE_LOOKUPS.labels("hit").inc()
         return answer
 
-    async def put(self, answer: CachedAnswer) -> None:
+    async def put(self, answer: CachedAnswer) -> bool:
+        """Store the answer and wake the key's waiters elsewhere, in one round trip."""
         # Never outlive the record: the entry dies when the record expires.
         ttl_ms = int((answer.expires_at - self._clock().timestamp()) * 1000)
         if ttl_ms <= 0 or len(answer.response.body) > self.max_entry_bytes:
-            return
+            return False
         value = encode(answer)
-        await self._guarded("put", lambda: self.redis.set(cache_key(answer.key), value, px=ttl_ms))
+        stored = await self._guarded(
+            "put", lambda: self._set_and_publish(answer.key, value, ttl_ms)
+        )
+        return stored is not FAILED
+
+    async def _set_and_publish(self, key: RecordKey, value: bytes, ttl_ms: int) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(cache_key(key), value, px=ttl_ms)
+            if isinstance(self.redis, RedisCluster):
+                pipe.spublish(wakeup_channel(key), b"1")
+            else:
+                pipe.publish(wakeup_channel(key), b"1")
+            await pipe.execute()
 
     async def delete(self, key: RecordKey) -> bool:
         """False when Redis could not be asked: the caller decides whether that matters."""
@@ -136,6 +153,33 @@ class RedisCache:
 
     async def ping(self) -> bool:
         return await self._guarded("ping", self.redis.ping) is True
+
+    async def health(self) -> str:
+        """``ok``, or ``degraded`` naming what does not answer: on a cluster, each primary
+        that does not answer a PING (asked directly, past the breaker, which an operator
+        looking at readiness wants to see through)."""
+        if not isinstance(self.redis, RedisCluster):
+            return "ok" if await self.ping() else "degraded"
+        cluster = self.redis
+        try:
+            async with asyncio.timeout(self.timeout):
+                await cluster.initialize()
+        except Exception:  # no seed answered: not one node can be named
+            return "degraded: no cluster node answers"
+        down = [
+            node.name
+            for node in cluster.get_primaries()
+            if not await self._node_answers(cluster, node.name)
+        ]
+        return f"degraded: {', '.join(sorted(down))} not answering" if down else "ok"
+
+    async def _node_answers(self, cluster: RedisCluster, name: str) -> bool:
+        node = cluster.get_node(node_name=name)
+        try:
+            async with asyncio.timeout(self.timeout):
+                return bool(await cluster.ping(target_nodes=node))
+        except Exception:
+            return False
 
     async def close(self) -> None:
         await self.redis.aclose()

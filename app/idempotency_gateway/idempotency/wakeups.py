@@ -4,6 +4,11 @@ A waiter parks on an event for its record key; the owner's finalize sets it. Acr
 the owner also publishes on Redis and every process that has waiters for that key subscribes
 to its channel. A lost message costs only latency: after waking or timing out, the waiter
 reads the durable store, which alone decides.
+
+On a Redis Cluster the channels are sharded (SSUBSCRIBE/SPUBLISH): a key's channel lives on
+the node that owns its cache entry, so the owner's SET and SPUBLISH are one round trip to one
+node, and a wake-up is not broadcast over the cluster bus to every node as a classic PUBLISH
+would be.
 """
 
 from __future__ import annotations
@@ -13,31 +18,36 @@ import contextlib
 import logging
 from typing import Protocol
 
-from redis.asyncio import Redis
+from redis.asyncio import RedisCluster
 from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import ClusterPubSub
 
-from idempotency_gateway.idempotency.cache import cache_key
 from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.redis_cache import REDIS_FAILURES
+from idempotency_gateway.idempotency.redis_cache import (
+    REDIS_FAILURES,
+    WAKEUP_CHANNEL_PREFIX,
+    wakeup_channel,
+)
+from idempotency_gateway.idempotency.redis_connection import RedisClient
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 log = logging.getLogger(__name__)
 
-_CHANNEL_PREFIX = "idgw:w:"
 # Subscribed for as long as the listener runs: redis-py needs one subscription to read at all.
-_KEEPALIVE_CHANNEL = _CHANNEL_PREFIX + "keepalive"
+_KEEPALIVE_CHANNEL = WAKEUP_CHANNEL_PREFIX + "keepalive"
 _RECONNECT_PAUSE = 1.0
-
-
-def channel_for(key: RecordKey) -> str:
-    """The pub/sub channel a key's waiters listen on."""
-    return cache_key(key, prefix=_CHANNEL_PREFIX)
+# A cluster subscriber reads each node's connection in turn, waiting this long on each.
+_SHARD_POLL = 0.05
+channel_for = wakeup_channel
 
 
 class Wakeups(Protocol):
     async def wait(self, key: RecordKey, timeout: float) -> bool: ...  # noqa: ASYNC109
 
-    async def notify(self, key: RecordKey) -> None: ...
+    async def notify(self, key: RecordKey, *, published: bool = False) -> None:
+        """Wake the key's waiters; ``published``: the replay cache already woke those in
+        other processes (its put carries the wake-up), so only this process's are left."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -84,7 +94,7 @@ class LocalWakeups:
         if event is not None:
             event.set()
 
-    async def notify(self, key: RecordKey) -> None:
+    async def notify(self, key: RecordKey, *, published: bool = False) -> None:
         self.wake_local(channel_for(key))
 
     async def close(self) -> None:
@@ -95,7 +105,7 @@ class LocalWakeups:
 class RedisWakeups(LocalWakeups):
     """Local wake-ups plus Redis pub/sub, subscribing only to keys this process waits for."""
 
-    def __init__(self, *, subscriber: Redis, publisher: Redis, timeout: float) -> None:
+    def __init__(self, *, subscriber: RedisClient, publisher: RedisClient, timeout: float) -> None:
         super().__init__()
         # Two clients: the subscriber's reads block for long, the publisher's must be quick.
         self.redis = subscriber
@@ -114,15 +124,12 @@ class RedisWakeups(LocalWakeups):
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(_KEEPALIVE_CHANNEL)
-                # Channels that gained waiters while Redis was away.
-                if self._waiters:
-                    await pubsub.subscribe(*self._waiters)
-                self._pubsub = pubsub
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None and message["type"] == "message":
-                        self.wake_local(message["channel"].decode())
+                if isinstance(pubsub, ClusterPubSub):
+                    assert isinstance(self.redis, RedisCluster)
+                    await self.redis.initialize()  # the slot map, to route each SSUBSCRIBE
+                    await self._listen_sharded(pubsub)
+                else:
+                    await self._listen(pubsub)
             except REDIS_FAILURES as exc:
                 self.degradation.failed(exc)
             finally:
@@ -131,22 +138,60 @@ class RedisWakeups(LocalWakeups):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(_RECONNECT_PAUSE)
 
+    async def _listen(self, pubsub: PubSub) -> None:
+        await pubsub.subscribe(_KEEPALIVE_CHANNEL)
+        # Channels that gained waiters while Redis was away.
+        if self._waiters:
+            await pubsub.subscribe(*self._waiters)
+        self._pubsub = pubsub
+        while True:
+            message = await pubsub.get_message(timeout=1.0)
+            if message is not None and message["type"] == "message":
+                self.wake_local(message["channel"].decode())
+
+    async def _listen_sharded(self, pubsub: ClusterPubSub) -> None:
+        # Each channel separately: channels of different slots cannot share an SSUBSCRIBE.
+        for channel in list(self._waiters):
+            await pubsub.ssubscribe(channel)
+        self._pubsub = pubsub
+        while True:
+            if not pubsub.node_pubsub_mapping:
+                # Nothing subscribed, nothing to read: wait for a first waiter.
+                await asyncio.sleep(_SHARD_POLL)
+                continue
+            message = await pubsub.get_sharded_message(
+                ignore_subscribe_messages=True, timeout=_SHARD_POLL
+            )
+            if message is not None and message["type"] in ("smessage", b"smessage"):
+                self.wake_local(message["channel"].decode())
+
     async def _first_waiter_joined(self, channel: str) -> None:
         if self._waiters[channel] == 1 and self._pubsub is not None:
             with contextlib.suppress(*REDIS_FAILURES):
-                await self._pubsub.subscribe(channel)
+                if isinstance(self._pubsub, ClusterPubSub):
+                    await self._pubsub.ssubscribe(channel)
+                else:
+                    await self._pubsub.subscribe(channel)
 
     async def _last_waiter_left(self, channel: str) -> None:
         if self._pubsub is not None:
             with contextlib.suppress(*REDIS_FAILURES):
-                await self._pubsub.unsubscribe(channel)
+                if isinstance(self._pubsub, ClusterPubSub):
+                    await self._pubsub.sunsubscribe(channel)
+                else:
+                    await self._pubsub.unsubscribe(channel)
 
-    async def notify(self, key: RecordKey) -> None:
+    async def notify(self, key: RecordKey, *, published: bool = False) -> None:
         channel = channel_for(key)
         self.wake_local(channel)
+        if published:
+            return
         try:
             async with asyncio.timeout(self.timeout):
-                await self.publisher.publish(channel, b"1")
+                if isinstance(self.publisher, RedisCluster):
+                    await self.publisher.spublish(channel, b"1")
+                else:
+                    await self.publisher.publish(channel, b"1")
         except REDIS_FAILURES as exc:
             self.degradation.failed(exc)
 

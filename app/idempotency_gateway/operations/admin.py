@@ -265,7 +265,7 @@ def create_admin_app(context: AdminContext) -> FastAPI:
             checks["store"] = "down"
         if isinstance(context.cache, RedisCache):
             # A slow or absent Redis costs latency, never answers: degraded, still ready.
-            checks["cache"] = "ok" if await context.cache.ping() else "degraded"
+            checks["cache"] = await context.cache.health()
         ready = checks["store"] == "ok" and checks.get("schema") == "ok"
         response.status_code = 200 if ready else 503
         return {"status": "ready" if ready else "not ready", **checks}

@@ -1,0 +1,200 @@
+"""What the Redis fast path costs, and that its breaker never wedges.
+
+On a private redis-server (so its command statistics are this test's alone) a replay is one
+GET in one round trip, and a new key is a GET miss plus one pipelined SET + PUBLISH: two round
+trips, counted at the client's socket writes and at the server's command statistics. A
+half-open probe that is cancelled while Redis hangs (SIGSTOP) gives its permit back, so the
+cache finds Redis again once it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import redis.asyncio
+from redis.asyncio.connection import AbstractConnection
+
+from idempotency_gateway.config import BreakerConfig
+from idempotency_gateway.idempotency.cache import CachedAnswer, cache_key
+from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
+from idempotency_gateway.idempotency.redis_cache import RedisCache
+from idempotency_gateway.idempotency.redis_connection import connect_redis
+from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from tests.support.redis_nodes import RedisNode
+from tests.support.waiting import eventually
+
+ONE_HOUR = 3600.0
+
+
+def answer_for(key: RecordKey) -> CachedAnswer:
+    response = StoredResponse(
+        status=201, headers=[("content-type", "text/plain")], body=b"x" * 1024
+    )
+    expires_at = datetime.now(UTC).timestamp() + ONE_HOUR
+    return CachedAnswer(key, "hash-1", Status.SUCCEEDED, response, expires_at)
+
+
+class WriteCounter:
+    """Counts the packets redis-py writes: one per round trip (a pipeline is one write)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.writes = 0
+        original = AbstractConnection.send_packed_command
+
+        async def counted(connection: AbstractConnection, *args: Any, **kwargs: Any) -> None:
+            self.writes += 1
+            await original(connection, *args, **kwargs)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+
+
+async def command_counts(url: str) -> dict[str, int]:
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        stats: dict[str, dict[str, Any]] = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return {name.removeprefix("cmdstat_"): int(row["calls"]) for name, row in stats.items()}
+
+
+# What the measuring client itself sends (it connects afresh for each reading).
+MEASURING = {"info", "hello", "client|setinfo"}
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    changed = {name: after[name] - before.get(name, 0) for name in after}
+    return {name: count for name, count in changed.items() if count and name not in MEASURING}
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[RedisNode]:
+    async with RedisNode() as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_key(unique: Callable[[str], str]) -> RecordKey:
+    return RecordKey("scope-round-trips", "POST /v1/charges", unique("round-trip"))
+
+
+async def test_a_replay_is_one_get_and_a_new_key_two_round_trips(
+    node: RedisNode, fresh_key: RecordKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = RedisCache(
+        connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
+        timeout=2.0,
+        max_entry_bytes=4096,
+    )
+    try:
+        assert await cache.ping()  # the connection is open before counting starts
+        counter = WriteCounter(monkeypatch)
+
+        before = await command_counts(node.url)
+        writes = counter.writes
+        assert await cache.get(fresh_key) is None
+        assert await cache.put(answer_for(fresh_key)) is True
+        assert counter.writes - writes == 2
+        assert delta(before, await command_counts(node.url)) == {"get": 1, "set": 1, "publish": 1}
+
+        before = await command_counts(node.url)
+        writes = counter.writes
+        replayed = await cache.get(fresh_key)
+        assert replayed is not None
+        assert replayed.response.body == b"x" * 1024
+        assert counter.writes - writes == 1
+        assert delta(before, await command_counts(node.url)) == {"get": 1}
+    finally:
+        await cache.close()
+
+
+def state_of(breaker: CircuitBreaker) -> BreakerState:
+    """Read afresh each time: time and probes move the state between two asserts."""
+    return breaker.state
+
+
+class ManualMonotonic:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_cancelled_half_open_probe_gives_its_permit_back(
+    node: RedisNode, fresh_key: RecordKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = ManualMonotonic()
+    config = BreakerConfig(
+        window=10.0, min_calls=1, failure_rate=0.5, slow_call=60.0, open_for=2.0, half_open_calls=1
+    )
+    breaker = CircuitBreaker("redis-cache", config, clock=clock)
+    cache = RedisCache(
+        connect_redis(node.url, timeout=30.0, connect_timeout=30.0),
+        timeout=30.0,
+        max_entry_bytes=4096,
+        breaker=breaker,
+    )
+    try:
+        assert await cache.put(answer_for(fresh_key))
+        breaker.record(breaker.acquire(), failure=True)  # one failure opens it (min_calls=1)
+        assert state_of(breaker) is BreakerState.OPEN
+        clock.now += config.open_for
+        assert state_of(breaker) is BreakerState.HALF_OPEN
+
+        counter = WriteCounter(monkeypatch)
+        node.pause()
+        probe = asyncio.create_task(cache.get(fresh_key))
+        await eventually(lambda: counter.writes >= 1, message="the probe's GET was sent")
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        node.resume()
+
+        # The cancelled probe counted as a failure: open again, then a new probe is admitted.
+        assert state_of(breaker) is BreakerState.OPEN
+        clock.now += config.open_for
+        found = await cache.get(fresh_key)
+        assert found is not None
+        assert found.response.body == b"x" * 1024
+        assert state_of(breaker) is BreakerState.CLOSED
+    finally:
+        await cache.close()
+
+
+async def test_a_probe_failing_with_an_error_reply_reports_and_recovers(
+    node: RedisNode, fresh_key: RecordKey
+) -> None:
+    clock = ManualMonotonic()
+    config = BreakerConfig(
+        window=10.0, min_calls=1, failure_rate=0.5, slow_call=60.0, open_for=2.0, half_open_calls=1
+    )
+    breaker = CircuitBreaker("redis-cache", config, clock=clock)
+    cache = RedisCache(
+        connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
+        timeout=2.0,
+        max_entry_bytes=4096,
+        breaker=breaker,
+    )
+    try:
+        assert await cache.put(answer_for(fresh_key))
+        breaker.record(breaker.acquire(), failure=True)
+        clock.now += config.open_for
+        assert state_of(breaker) is BreakerState.HALF_OPEN
+        # A probe that fails with an error reply (WRONGTYPE) rather than a dead connection.
+        client = redis.asyncio.Redis.from_url(node.url)
+        try:
+            await client.delete(cache_key(fresh_key))
+            await client.lpush(cache_key(fresh_key), b"not a string")
+        finally:
+            await client.aclose()
+        assert await cache.get(fresh_key) is None
+        assert state_of(breaker) is BreakerState.OPEN  # the probe reported, it did not vanish
+        clock.now += config.open_for
+        assert await cache.put(answer_for(fresh_key)) is True  # SET replaces the list
+        assert state_of(breaker) is BreakerState.CLOSED
+    finally:
+        await cache.close()
