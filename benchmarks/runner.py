@@ -114,6 +114,9 @@ class Run:
         """The server as this machine can run it, or why it cannot run."""
         if spec.kind == "nginx-proxy" and ctx.nginx is None:
             return spec, "nginx is not installed"
+        missing = [name for name in spec.requires if importlib.util.find_spec(name) is None]
+        if missing:
+            return spec, f"{' and '.join(missing)} not installed (pip install -e '.[bench]')"
         if spec.kind == "gateway" and spec.redis and ctx.redis_url is None:
             label = spec.label.replace("+ Redis", "+ in-process cache (no Redis)")
             return dataclasses.replace(spec, redis=False, label=label), None
