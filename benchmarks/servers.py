@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -71,6 +72,11 @@ class RunningServer:
 
     def stop(self) -> None:
         self.process.stop()
+
+
+def missing_modules(spec: ServerSpec) -> list[str]:
+    """What this server imports from the `bench` extra and this environment lacks."""
+    return [name for name in spec.requires if importlib.util.find_spec(name) is None]
 
 
 def find_nginx() -> str | None:
