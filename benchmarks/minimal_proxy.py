@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from benchmarks.proxy_rules import HOP, read_body, upstream_target
+from benchmarks.proxy_rules import HOP, forwarded_headers, read_body, upstream_target
 
 UPSTREAM = os.environ.get("BENCH_UPSTREAM_URL", "http://127.0.0.1:9000")
 session: aiohttp.ClientSession | None = None
@@ -30,10 +30,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     assert session is not None
     body = await read_body(receive)
-    headers = [(k.decode(), v.decode("latin-1")) for k, v in scope["headers"] if k not in HOP]
     async with session.request(
         scope["method"], URL(UPSTREAM + upstream_target(scope), encoded=True),
-        headers=headers, data=body or None, allow_redirects=False,
+        headers=forwarded_headers(scope), data=body or None, allow_redirects=False,
     ) as response:  # fmt: skip
         out = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in HOP]
         await send({"type": "http.response.start", "status": response.status, "headers": out})

@@ -17,7 +17,7 @@ from typing import Any
 
 from pyreqwest.client import Client, ClientBuilder
 
-from benchmarks.proxy_rules import HOP, read_body, upstream_target
+from benchmarks.proxy_rules import HOP, forwarded_headers, read_body, upstream_target
 
 UPSTREAM = os.environ.get("BENCH_UPSTREAM_URL", "http://127.0.0.1:9000")
 CONNECT_TIMEOUT = timedelta(seconds=5)
@@ -56,8 +56,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     assert client is not None
     body = await read_body(receive)
-    headers = [(k.decode(), v.decode("latin-1")) for k, v in scope["headers"] if k not in HOP]
-    request = client.request(scope["method"], UPSTREAM + upstream_target(scope)).headers(headers)
+    request = client.request(scope["method"], UPSTREAM + upstream_target(scope))
+    request = request.headers(forwarded_headers(scope))
     if body:
         request = request.body_bytes(body)
     async with request.build_streamed() as response:

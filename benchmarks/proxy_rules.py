@@ -20,6 +20,11 @@ async def read_body(receive: Any) -> bytes:
     return body
 
 
+def forwarded_headers(scope: dict[str, Any]) -> list[tuple[str, str]]:
+    """The request's headers for upstream, minus the hop-by-hop ones, as str for the clients."""
+    return [(k.decode(), v.decode("latin-1")) for k, v in scope["headers"] if k not in HOP]
+
+
 def upstream_target(scope: dict[str, Any]) -> str:
     """The request target exactly as the client sent it (raw path, no re-encoding)."""
     target: bytes = scope["raw_path"] + (
