@@ -12,8 +12,9 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from benchmarks.proxy_rules import HOP, forwarded_headers, read_body, upstream_target
+
 UPSTREAM = os.environ.get("BENCH_UPSTREAM_URL", "http://127.0.0.1:9000")
-HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"host", b"trailer"}
 session: aiohttp.ClientSession | None = None
 
 
@@ -28,15 +29,10 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "lifespan.shutdown.complete"})
         return
     assert session is not None
-    body, more = b"", True
-    while more:
-        message = await receive()
-        body, more = body + message.get("body", b""), message.get("more_body", False)
-    target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
-    headers = [(k.decode(), v.decode("latin-1")) for k, v in scope["headers"] if k not in HOP]
+    body = await read_body(receive)
     async with session.request(
-        scope["method"], URL(UPSTREAM + target.decode("latin-1"), encoded=True),
-        headers=headers, data=body or None, allow_redirects=False,
+        scope["method"], URL(UPSTREAM + upstream_target(scope), encoded=True),
+        headers=forwarded_headers(scope), data=body or None, allow_redirects=False,
     ) as response:  # fmt: skip
         out = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in HOP]
         await send({"type": "http.response.start", "status": response.status, "headers": out})

@@ -20,7 +20,7 @@ COLUMNS = (
 )
 PACKAGES = (
     "idempotency-gateway", "uvicorn", "uvloop", "httptools", "aiohttp", "asyncpg", "SQLAlchemy",
-    "redis", "fastapi", "starlette", "asgi-idempotency-header",
+    "redis", "fastapi", "starlette", "asgi-idempotency-header", "granian", "pyreqwest",
 )  # fmt: skip
 
 
@@ -123,7 +123,7 @@ def _notes(outcome: Outcome, outcomes: Mapping[str, Outcome]) -> str:
         notes.append(f"p50 {added:+.2f} ms over `{baseline.scenario.id}`")
     cpu_per_request = _cpu_per_request(outcome)
     if cpu_per_request is not None:
-        notes.append(f"{cpu_per_request:.2f} ms CPU/req")
+        notes.append(f"{cpu_per_request:.3f} ms CPU/req")
     if load.count_statuses and result.requests:
         executed = result.ok - (result.replayed or 0)
         notes.append(

@@ -27,7 +27,14 @@ from benchmarks.scenarios import (
     Scenario,
     select,
 )
-from benchmarks.servers import RunContext, ServerSpec, find_nginx, start_server, start_upstream
+from benchmarks.servers import (
+    RunContext,
+    ServerSpec,
+    find_nginx,
+    missing_modules,
+    start_server,
+    start_upstream,
+)
 from benchmarks.services import (
     DEFAULT_REDIS_URL,
     flush_redis_database,
@@ -114,6 +121,9 @@ class Run:
         """The server as this machine can run it, or why it cannot run."""
         if spec.kind == "nginx-proxy" and ctx.nginx is None:
             return spec, "nginx is not installed"
+        missing = missing_modules(spec)
+        if missing:
+            return spec, f"{' and '.join(missing)} not installed (pip install -e '.[bench]')"
         if spec.kind == "gateway" and spec.redis and ctx.redis_url is None:
             label = spec.label.replace("+ Redis", "+ in-process cache (no Redis)")
             return dataclasses.replace(spec, redis=False, label=label), None

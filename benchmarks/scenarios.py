@@ -12,11 +12,43 @@ from dataclasses import dataclass
 from benchmarks.loadgen import Load
 from benchmarks.servers import ServerSpec
 
+HELLO = "benchmarks.hello_app:app"
 UPSTREAM = ServerSpec("upstream", "upstream direct", "upstream")
 SERVERS: tuple[ServerSpec, ...] = (
     UPSTREAM,
     ServerSpec("nginx-proxy", "nginx proxy_pass (1 worker)", "nginx-proxy"),
-    ServerSpec("minimal-proxy", "minimal aiohttp proxy (1 worker)", "minimal-proxy"),
+    ServerSpec("minimal-proxy", "minimal aiohttp proxy (1 worker)", "asgi-app"),
+    ServerSpec(
+        "minimal-proxy-granian",
+        "minimal aiohttp proxy under granian (1 worker)",
+        "asgi-app",
+        asgi_server="granian",
+        requires=("granian",),
+    ),
+    ServerSpec(
+        "minimal-proxy-pyreqwest",
+        "minimal pyreqwest proxy (1 worker)",
+        "asgi-app",
+        app="benchmarks.minimal_proxy_pyreqwest:app",
+        requires=("pyreqwest",),
+    ),
+    ServerSpec(
+        "minimal-proxy-granian-pyreqwest",
+        "minimal pyreqwest proxy under granian (1 worker)",
+        "asgi-app",
+        app="benchmarks.minimal_proxy_pyreqwest:app",
+        asgi_server="granian",
+        requires=("granian", "pyreqwest"),
+    ),
+    ServerSpec("hello-uvicorn", "constant answer under uvicorn", "asgi-app", app=HELLO),
+    ServerSpec(
+        "hello-granian",
+        "constant answer under granian",
+        "asgi-app",
+        app=HELLO,
+        asgi_server="granian",
+        requires=("granian",),
+    ),
     ServerSpec("gw1", "gateway, 1 worker, PostgreSQL + Redis", "gateway", workers=1, redis=True),
     ServerSpec(
         "gw1-pg", "gateway, 1 worker, PostgreSQL only, no cache", "gateway", 1, cache_max_entries=0
@@ -80,6 +112,7 @@ STORM = "Same-key storm (POST /small, each new key sent by every connection at o
 LARGE = "Large bodies (100 KiB POST with new keys; 1 MiB response streamed, no key)"
 LATENCY = "Added latency at 1 connection"
 LIBRARY = "Library mode (FastAPI POST /small, new key per request, uvicorn 1 worker)"
+FLOOR = "ASGI server and upstream client of the minimal proxy (compare ms CPU/req in notes)"
 
 SCENARIOS: tuple[Scenario, ...] = (
     # upstream direct
@@ -94,6 +127,23 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("minproxy", PASS, "minimal-proxy", GET_SMALL, "direct"),
     Scenario("minproxy-upload", LARGE, "minimal-proxy", POST_BIG_NO_KEY, "direct-upload"),
     Scenario("minproxy-large", LARGE, "minimal-proxy", GET_LARGE, "direct-large"),
+    # the same minimal proxy with another ASGI server or upstream client, and the servers
+    # alone: what moving off uvicorn or aiohttp would save (the gateway's ratio stays to
+    # `minproxy`, uvicorn + aiohttp, the stack it runs on)
+    Scenario("minproxy-granian", FLOOR, "minimal-proxy-granian", GET_SMALL, "minproxy"),
+    Scenario("minproxy-pyreqwest", FLOOR, "minimal-proxy-pyreqwest", GET_SMALL, "minproxy"),
+    Scenario(
+        "minproxy-pyreqwest-large", FLOOR, "minimal-proxy-pyreqwest", GET_LARGE, "minproxy-large"
+    ),
+    Scenario(
+        "minproxy-granian-pyreqwest",
+        FLOOR,
+        "minimal-proxy-granian-pyreqwest",
+        GET_SMALL,
+        "minproxy",
+    ),
+    Scenario("hello-uvicorn", FLOOR, "hello-uvicorn", GET_SMALL),
+    Scenario("hello-granian", FLOOR, "hello-granian", GET_SMALL, "hello-uvicorn"),
     # the gateway, 1 worker
     Scenario("gw1-pass", PASS, "gw1", GET_SMALL, "minproxy"),
     Scenario("gw1-pass-1c", LATENCY, "gw1", _one(GET_SMALL), "direct-1c"),
@@ -120,7 +170,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("lib-header-redis", LIBRARY, "lib-header-redis", POST_NEW_KEY, "lib-plain"),
 )
 SCENARIO_BY_ID = {scenario.id: scenario for scenario in SCENARIOS}
-TABLES = (PASS, NEW, REPLAY, STORM, LARGE, LATENCY, LIBRARY)
+TABLES = (PASS, NEW, REPLAY, STORM, LARGE, LATENCY, LIBRARY, FLOOR)
 
 # The memory check runs on this server after its scenarios: pass-through, then new keys.
 MEMORY_SERVER = "gw1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -20,10 +21,17 @@ from benchmarks.processes import (
 )
 from benchmarks.upstream import LARGE_BODY_BYTES, SMALL_BODY
 
-ServerKind = Literal["upstream", "nginx-proxy", "minimal-proxy", "gateway", "library"]
+ServerKind = Literal["upstream", "nginx-proxy", "asgi-app", "gateway", "library"]
+AsgiServer = Literal["uvicorn", "granian"]
 REPO = Path(__file__).resolve().parent.parent
 # The same ASGI server settings the gateway's own `serve` uses (app/serve.py).
 UVICORN_FAST = ("--loop", "uvloop", "--http", "httptools", "--workers", "1")
+# Granian as close to that as it goes: one worker, uvloop, HTTP/1 only (httptools speaks
+# nothing else), no access log, its Rust runtime on one thread as uvicorn has one loop.
+GRANIAN_FAST = (
+    "--interface", "asgi", "--loop", "uvloop", "--workers", "1", "--http", "1",
+    "--runtime-threads", "1", "--no-access-log",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,10 @@ class ServerSpec:
     redis: bool = False  # gateway: GATEWAY_REDIS_URL set
     cache_max_entries: int | None = None  # gateway: `cache.max_entries` (None: default)
     library: str = ""  # library: BENCH_LIBRARY mode
+    # asgi-app: a bare ASGI app (module:attribute; BENCH_UPSTREAM_URL set) and its server
+    app: str = "benchmarks.minimal_proxy:app"
+    asgi_server: AsgiServer = "uvicorn"
+    requires: tuple[str, ...] = ()  # modules from the `bench` extra this server imports
 
 
 @dataclass
@@ -60,6 +72,11 @@ class RunningServer:
 
     def stop(self) -> None:
         self.process.stop()
+
+
+def missing_modules(spec: ServerSpec) -> list[str]:
+    """What this server imports from the `bench` extra and this environment lacks."""
+    return [name for name in spec.requires if importlib.util.find_spec(name) is None]
 
 
 def find_nginx() -> str | None:
@@ -182,6 +199,18 @@ limits: {{max_request_body: 10MiB}}
     return path
 
 
+def _asgi_argv(server: AsgiServer, app: str, port: int) -> list[str]:
+    if server == "granian":
+        return [
+            venv_tool("granian"), *GRANIAN_FAST,
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", app,
+        ]  # fmt: skip
+    return [
+        venv_tool("uvicorn"), app, *UVICORN_FAST,
+        "--port", str(port), "--log-level", "warning", "--no-access-log",
+    ]  # fmt: skip
+
+
 def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
     port = free_port()
     if spec.kind == "nginx-proxy":
@@ -193,12 +222,9 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
             spec.id, ctx, _nginx_proxy_conf(prefix, port, ctx.upstream_port), port
         )
         wait_until_answers(process, port, "/small")
-    elif spec.kind == "minimal-proxy":
+    elif spec.kind == "asgi-app":
         env = clean_environment({"BENCH_UPSTREAM_URL": ctx.upstream_url})
-        argv = [
-            venv_tool("uvicorn"), "benchmarks.minimal_proxy:app", *UVICORN_FAST,
-            "--port", str(port), "--log-level", "warning", "--no-access-log",
-        ]  # fmt: skip
+        argv = _asgi_argv(spec.asgi_server, spec.app, port)
         process = spawn(spec.id, argv, log_dir=ctx.log_dir, env=env, cwd=REPO, ports=(port,))
         wait_until_answers(process, port, "/small")
     elif spec.kind == "gateway":
@@ -227,10 +253,7 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
         variables = {"BENCH_LIBRARY": spec.library, "BENCH_DATABASE_URL": ctx.database_url}
         if ctx.redis_url is not None:
             variables["BENCH_REDIS_URL"] = ctx.redis_url
-        argv = [
-            venv_tool("uvicorn"), "benchmarks.library_app:api", *UVICORN_FAST,
-            "--port", str(port), "--log-level", "warning", "--no-access-log",
-        ]  # fmt: skip
+        argv = _asgi_argv("uvicorn", "benchmarks.library_app:api", port)
         process = spawn(
             spec.id,
             argv,
