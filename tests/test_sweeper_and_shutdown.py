@@ -256,10 +256,15 @@ async def test_serve_sweeps_expired_records_in_the_background(
                 return await present(store, expired) == []
 
             await eventually(swept, timeout=10.0, message="the background sweep ran")
-            metrics = await client.get(gateway.admin_url + "/metrics")
+
+            # The counter moves after the batch's DELETE commits: poll for it, don't race it.
+            async def counted() -> bool:
+                metrics = await client.get(gateway.admin_url + "/metrics")
+                return "idempotency_gateway_swept_records_total 1.0" in metrics.text
+
+            await eventually(counted, timeout=10.0, message="the sweep was counted once")
 
         assert await present(store, live) == live
-        assert "idempotency_gateway_swept_records_total 1.0" in metrics.text
     finally:
         await store.close()
 
