@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from idempotency_gateway.asgi import ClientDisconnected, Receive, Scope, Send, read_body
+from idempotency_gateway.asgi import (
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    cancel_on_disconnect,
+    read_body,
+)
 from idempotency_gateway.config import GatewayConfig, OnAmbiguous, RouteConfig
 from idempotency_gateway.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
 from idempotency_gateway.execution import Outcome, execution_of
@@ -98,11 +105,14 @@ class ProxyApp:
             )
 
         deadline = Deadline.for_request(headers, route.upstream.client.config.timeouts.total)
-        response = await route.upstream.open(
-            make_request,
-            deadline=deadline,
-            plan=self._retry_plan(route, scope),
-            request_log=entry,
+        response = await cancel_on_disconnect(
+            receive,
+            route.upstream.open(
+                make_request,
+                deadline=deadline,
+                plan=self._retry_plan(route, scope),
+                request_log=entry,
+            ),
         )
         try:
             await self._stream_back(scope, response, send)
