@@ -9,7 +9,7 @@ upstream, then a real gateway whose client hangs up while its probe waits on a s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -150,8 +150,8 @@ def behaving(upstream: RecordingUpstream, behavior: str) -> UpstreamRequest:
 async def test_the_retry_loop_hands_back_the_permit_of_a_probe_cancelled_mid_call(
     resilient: ResilientUpstream, upstream: RecordingUpstream, fake_time: FakeTime
 ) -> None:
-    def call(behavior: str) -> Awaitable[UpstreamResponse]:
-        return resilient.open(
+    async def call(behavior: str) -> UpstreamResponse:
+        return await resilient.open(
             lambda _: behaving(upstream, behavior),
             deadline=Deadline(10.0, clock=fake_time),
             plan=PLAN,
