@@ -50,6 +50,7 @@ from tests.support.keyed import (
     record_key,
     send_keyed,
 )
+from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import BEHAVIOR_HEADER
 
 TOKEN = "admin-token-for-tests"
@@ -95,6 +96,7 @@ async def serve_with_admin(
         database_url=database_url,
         redis_url=redis_url,
         admin_token=SecretStr(token) if token is not None else None,
+        scope_secret=SecretStr(TEST_SCOPE_SECRET),
     )
     if override_sync_interval is not None:
         gateway.overrides.interval = override_sync_interval

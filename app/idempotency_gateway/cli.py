@@ -96,11 +96,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run_server(args: argparse.Namespace, settings: EnvSettings, config: GatewayConfig) -> int:
+    from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
     from idempotency_gateway.main import RESOLVED_CONFIG_ENV, database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
 
     database_url = database_url_or_default(settings.database_url)
+    # Refuse here, with a clear message, rather than in every worker.
+    resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.
         upgrade_to_head(database_url)

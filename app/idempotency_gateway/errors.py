@@ -8,6 +8,7 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
     ├── RequestRejected                 the request itself is wrong (4xx)
     │   ├── InvalidIdempotencyKey         400
     │   ├── MissingIdempotencyKey         400
+    │   ├── CredentialRequired            401
     │   ├── NoRouteMatched                404
     │   ├── RequestInFlight               409, Retry-After
     │   ├── RequestBodyTooLarge           413
@@ -61,6 +62,15 @@ class InvalidIdempotencyKey(RequestRejected):
 class MissingIdempotencyKey(RequestRejected):
     slug = "idempotency-key-missing"
     title = "Idempotency-Key required"
+
+
+class CredentialRequired(RequestRejected):
+    """A keyed request with no credential in any scope header, on a route that refuses the
+    shared ``anonymous`` scope."""
+
+    status = 401
+    slug = "credential-required"
+    title = "A credential is required for keyed requests"
 
 
 class NoRouteMatched(RequestRejected):

@@ -31,6 +31,7 @@ from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicy
 from idempotency_gateway.idempotency.redis_cache import RedisCache, connect_redis
+from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
 from idempotency_gateway.idempotency.store import RecordStore, utc_now
 from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.migrate import upgrade_to_head_async
@@ -90,9 +91,11 @@ class Gateway:
         redis_url: str | None = None,
         admin_port: int | None = None,
         admin_token: SecretStr | None = None,
+        scope_secret: SecretStr | None = None,
     ) -> None:
         self.config = config
         self.database_url = database_url_or_default(database_url)
+        secret = resolve_scope_secret(scope_secret, self.database_url)
         self.admin_port = admin_port
         self.store = RecordStore.from_url(self.database_url, config.store, clock=utc_now)
         self.cache, self.wakeups = replay_layer(config.cache, redis_url)
@@ -116,6 +119,7 @@ class Gateway:
             cache=self.cache,
             wakeups=self.wakeups,
             policy=policies.match,
+            scope_secret=secret,
             scope_headers=config.scope.headers,
             header_name=config.idempotency_header,
             max_request_body=config.limits.max_request_body,
@@ -130,6 +134,7 @@ class Gateway:
                 breakers=breakers,
                 overrides=self.overrides,
                 scope_headers=tuple(name.encode() for name in config.scope.headers),
+                scope_secret=secret,
                 admin_token=admin_token,
             )
         )
@@ -200,6 +205,7 @@ def create_gateway(
     redis_url: str | None = None,
     admin_port: int | None = None,
     admin_token: SecretStr | None = None,
+    scope_secret: SecretStr | None = None,
 ) -> Gateway:
     return Gateway(
         config,
@@ -207,6 +213,7 @@ def create_gateway(
         redis_url=redis_url,
         admin_port=admin_port,
         admin_token=admin_token,
+        scope_secret=scope_secret,
     )
 
 
@@ -226,4 +233,5 @@ def gateway_from_environment() -> Gateway:
         redis_url=settings.redis_url,
         admin_port=settings.admin_port,
         admin_token=settings.admin_token,
+        scope_secret=settings.scope_secret,
     )

@@ -44,6 +44,7 @@ class AdminContext:
     breakers: Mapping[str, CircuitBreaker]
     overrides: BreakerOverrides
     scope_headers: tuple[bytes, ...]
+    scope_secret: bytes
     admin_token: SecretStr | None
 
 
@@ -232,7 +233,7 @@ def create_admin_app(context: AdminContext) -> FastAPI:
                     title="Invalid request",
                 )
             header = (context.scope_headers[0], x_scope_credential.encode("latin-1"))
-            scope = scope_of([header], context.scope_headers)
+            scope = scope_of([header], context.scope_headers, secret=context.scope_secret)
         assert scope is not None
         return RecordKey(scope, operation, key)
 

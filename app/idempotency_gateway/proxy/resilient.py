@@ -134,9 +134,7 @@ class ResilientUpstream:
                     self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
                     reason = self._why_not_retry_error(error, plan)
                     if reason is None:
-                        reason = await self._pause_before_retry(
-                            attempt, None, deadline, str(error)
-                        )
+                        reason = await self._pause_before_retry(attempt, None, deadline, str(error))
                     if reason is not None:
                         self._log_final(attempt, type(error).__name__, reason)
                         raise
