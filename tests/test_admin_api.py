@@ -660,3 +660,70 @@ async def test_served_gateway_keeps_admin_api_and_docs_on_the_admin_port(
     assert refused.status_code == 401
     assert proxied.status_code == 201
     assert [execution.path for execution in upstream.executions] == ["/admin/breakers"]
+
+
+# ------------------------------------------------------------------- errors are problems
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "slug"),
+    [
+        ("GET", "/no-such-endpoint", 404, ":not-found"),
+        ("GET", "/admin/no-such-endpoint", 404, ":not-found"),
+        ("POST", "/admin/breakers", 405, ":method-not-allowed"),
+        ("DELETE", "/healthz", 405, ":method-not-allowed"),
+    ],
+)
+async def test_unknown_paths_and_methods_are_problems(
+    gateway: AdminGateway, method: str, path: str, status: int, slug: str
+) -> None:
+    answer = await gateway.admin.request(method, path, headers=ADMIN)
+
+    problem = assert_problem(answer, status, slug)
+    assert problem["title"]
+    if status == 405:
+        assert "GET" in answer.headers["allow"]
+
+
+async def test_request_validation_errors_are_problems_naming_the_field(
+    gateway: AdminGateway,
+) -> None:
+    answer = await gateway.admin.get("/admin/records/stuck", params={"limit": 0}, headers=ADMIN)
+
+    problem = assert_problem(answer, 422, ":invalid-admin-request")
+    assert "limit" in problem["detail"]
+
+
+@pytest.mark.parametrize("field", ["key", "operation", "scope"])
+async def test_nul_in_a_record_query_parameter_is_422_and_changes_nothing(
+    records_gateway: AdminGateway, unique: Callable[[str], str], field: str
+) -> None:
+    key = unique("nul-param")
+    await send_keyed(records_gateway.proxy, key)
+    before = await records_gateway.app.store.get(record_key(key))
+    assert before is not None
+
+    for name, (method, path) in RECORD_CALLS.items():
+        params = by_scope(key)
+        params[field] = params[field] + "\x00"
+        answer = await records_gateway.admin.request(method, path, params=params, headers=ADMIN)
+
+        problem = assert_problem(answer, 422, ":invalid-admin-request", name)
+        assert "NUL" in problem["detail"]
+    assert await records_gateway.app.store.get(record_key(key)) == before
+
+
+async def test_nul_in_an_admin_path_parameter_is_422(gateway: AdminGateway) -> None:
+    answer = await gateway.admin.put(
+        "/admin/breakers/payments%00x", json={"state": "forced_open"}, headers=ADMIN
+    )
+
+    assert_problem(answer, 422, ":invalid-admin-request")
+
+
+async def test_nul_is_checked_only_after_the_token(gateway: AdminGateway) -> None:
+    answer = await gateway.admin.get(
+        "/admin/records", params={"operation": "x", "key": "a\x00", "scope": "anonymous"}
+    )
+
+    assert_problem(answer, 401, ":unauthorized")
