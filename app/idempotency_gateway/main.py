@@ -37,6 +37,7 @@ from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, 
 from idempotency_gateway.migrate import upgrade_to_head_async
 from idempotency_gateway.operations.admin import AdminContext, create_admin_app
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
+from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
 from idempotency_gateway.operations.sweeper import Sweeper
 from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
@@ -108,6 +109,11 @@ class Gateway:
         }
         breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
         self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
+        self.invalidations = (
+            CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
+            if isinstance(self.cache, InProcessCache)
+            else None
+        )
         self.sweeper = Sweeper(self.store, config.sweeper)
         policies = PrefixRouter(
             (route.match.path_prefix, RoutePolicy(route.name, route.idempotency))
@@ -136,6 +142,7 @@ class Gateway:
                 scope_headers=tuple(name.encode() for name in config.scope.headers),
                 scope_secret=secret,
                 admin_token=admin_token,
+                invalidations=self.invalidations,
             )
         )
         self._background: list[asyncio.Task[None]] = []
@@ -161,6 +168,8 @@ class Gateway:
         if isinstance(self.wakeups, RedisWakeups):
             await self.wakeups.start()
         self._background.append(asyncio.create_task(self.overrides.run()))
+        if self.invalidations is not None:
+            self._background.append(asyncio.create_task(self.invalidations.run()))
         if self.config.sweeper.interval > 0:
             self._background.append(asyncio.create_task(self.sweeper.run()))
 

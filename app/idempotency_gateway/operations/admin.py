@@ -31,6 +31,7 @@ from idempotency_gateway.idempotency.record import Record, RecordKey
 from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
+from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
 from idempotency_gateway.problems import problem_body
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.metrics import exposition
@@ -47,6 +48,8 @@ class AdminContext:
     scope_headers: tuple[bytes, ...]
     scope_secret: bytes
     admin_token: SecretStr | None
+    # Set when the replay cache is per process: deletes must reach every worker's copy.
+    invalidations: CacheInvalidations | None = None
 
 
 class StoredAnswerView(BaseModel):
@@ -318,6 +321,8 @@ def create_admin_app(context: AdminContext) -> FastAPI:
             context.store.delete(key) if change == "deleted" else context.store.expire(key)
         )
         cache_cleared = await context.cache.delete(key) and cache_cleared
+        if changed and context.invalidations is not None:
+            await context.invalidations.publish(key)
         if not cache_cleared:
             raise AdminError(
                 f"the record was {change if changed else 'already absent'} but its cache entry "
