@@ -16,10 +16,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 
-from idempotency_gateway.config import IdempotencyConfig
-from idempotency_gateway.execution import Outcome
-from idempotency_gateway.idempotency import IdempotencyMiddleware
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway import IdempotencyConfig, IdempotencyMiddleware, Outcome, RecordStore
 from tests.support import serve_asgi
 
 CHARGE = {"amount": 1250, "currency": "eur"}

@@ -27,10 +27,13 @@ from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from idempotency_gateway import __version__
+
     parser = argparse.ArgumentParser(
         prog="idempotency-gateway",
         description="An idempotency gateway: retried requests never execute twice.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the gateway")
