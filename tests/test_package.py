@@ -53,6 +53,12 @@ def readme_library_example() -> str:
     return match.group(1)
 
 
+async def charge_twice(client: httpx.AsyncClient, key: str) -> tuple[httpx.Response, ...]:
+    """A keyed charge and its retry, one after the other."""
+    headers = {"Idempotency-Key": key}
+    return tuple([await client.post("/v1/charges", json=CHARGE, headers=headers) for _ in range(2)])
+
+
 class Installed:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -101,12 +107,7 @@ async def test_the_installed_cli_serves_a_request_to_an_upstream(
         name="installed",
     )
     async with gateway, httpx.AsyncClient(base_url=gateway.url, trust_env=False) as client:
-        answer = await client.post(
-            "/v1/charges", json=CHARGE, headers={"Idempotency-Key": "installed-1"}
-        )
-        replay = await client.post(
-            "/v1/charges", json=CHARGE, headers={"Idempotency-Key": "installed-1"}
-        )
+        answer, replay = await charge_twice(client, "installed-1")
     assert answer.status_code == 201
     assert replay.headers["idempotent-replayed"] == "true"
     assert upstream.count("installed-1") == 1
@@ -142,12 +143,7 @@ async def test_the_readme_library_example_runs_from_the_install(readme_app: str)
 
         started: bool = await eventually(answers, timeout=60.0, message="the app answers")
         assert started
-        first = await client.post(
-            "/v1/charges", json=CHARGE, headers={"Idempotency-Key": "readme-1"}
-        )
-        retry = await client.post(
-            "/v1/charges", json=CHARGE, headers={"Idempotency-Key": "readme-1"}
-        )
+        first, retry = await charge_twice(client, "readme-1")
     assert first.status_code == 200
     assert retry.headers["idempotent-replayed"] == "true"
     assert retry.content == first.content
