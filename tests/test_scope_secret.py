@@ -13,6 +13,7 @@ import asyncio
 import os
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -119,16 +120,17 @@ async def test_the_embedded_store_keeps_deduping_across_a_restart(
 
 
 async def test_a_route_refusing_anonymous_keyed_requests_answers_401_and_sends_nothing(
-    upstream: RecordingUpstream, postgres_url: str
+    upstream: RecordingUpstream, postgres_url: str, unique: Callable[[str], str]
 ) -> None:
+    key = unique("anonymous")
     config = gateway_config(upstream.url, routes=[route("/", anonymous="refuse")])
     async with GatewayLauncher() as launcher:
         gateway = await launcher.start(config, database_url=postgres_url)
 
-        refused = await gateway.client.post(CHARGES, json=CHARGE, headers={KEY_HEADER: "anon-1"})
+        refused = await gateway.client.post(CHARGES, json=CHARGE, headers={KEY_HEADER: key})
         unkeyed = await gateway.client.post(CHARGES, json=CHARGE)
         credentialed = await gateway.client.post(
-            CHARGES, json=CHARGE, headers={KEY_HEADER: "anon-1", "Authorization": AUTHORIZATION}
+            CHARGES, json=CHARGE, headers={KEY_HEADER: key, "Authorization": AUTHORIZATION}
         )
 
     assert refused.status_code == 401
@@ -139,4 +141,4 @@ async def test_a_route_refusing_anonymous_keyed_requests_answers_401_and_sends_n
     assert unkeyed.status_code == 201
     assert credentialed.status_code == 201
     assert not is_replay(credentialed)
-    assert upstream.count("anon-1") == 1
+    assert upstream.count(key) == 1
