@@ -229,7 +229,10 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
         wait_until_answers(process, port, "/small")
     elif spec.kind == "gateway":
         admin_port = free_port()
-        variables = {"GATEWAY_DATABASE_URL": ctx.database_url}
+        variables = {
+            "GATEWAY_DATABASE_URL": ctx.database_url,
+            "GATEWAY_SCOPE_SECRET": "benchmark-scope-secret",
+        }
         if spec.redis:
             assert ctx.redis_url is not None
             variables["GATEWAY_REDIS_URL"] = ctx.redis_url

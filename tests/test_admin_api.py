@@ -50,6 +50,7 @@ from tests.support.keyed import (
     record_key,
     send_keyed,
 )
+from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import BEHAVIOR_HEADER
 
 TOKEN = "admin-token-for-tests"
@@ -95,6 +96,7 @@ async def serve_with_admin(
         database_url=database_url,
         redis_url=redis_url,
         admin_token=SecretStr(token) if token is not None else None,
+        scope_secret=SecretStr(TEST_SCOPE_SECRET),
     )
     if override_sync_interval is not None:
         gateway.overrides.interval = override_sync_interval
@@ -658,3 +660,70 @@ async def test_served_gateway_keeps_admin_api_and_docs_on_the_admin_port(
     assert refused.status_code == 401
     assert proxied.status_code == 201
     assert [execution.path for execution in upstream.executions] == ["/admin/breakers"]
+
+
+# ------------------------------------------------------------------- errors are problems
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "slug"),
+    [
+        ("GET", "/no-such-endpoint", 404, ":not-found"),
+        ("GET", "/admin/no-such-endpoint", 404, ":not-found"),
+        ("POST", "/admin/breakers", 405, ":method-not-allowed"),
+        ("DELETE", "/healthz", 405, ":method-not-allowed"),
+    ],
+)
+async def test_unknown_paths_and_methods_are_problems(
+    gateway: AdminGateway, method: str, path: str, status: int, slug: str
+) -> None:
+    answer = await gateway.admin.request(method, path, headers=ADMIN)
+
+    problem = assert_problem(answer, status, slug)
+    assert problem["title"]
+    if status == 405:
+        assert "GET" in answer.headers["allow"]
+
+
+async def test_request_validation_errors_are_problems_naming_the_field(
+    gateway: AdminGateway,
+) -> None:
+    answer = await gateway.admin.get("/admin/records/stuck", params={"limit": 0}, headers=ADMIN)
+
+    problem = assert_problem(answer, 422, ":invalid-admin-request")
+    assert "limit" in problem["detail"]
+
+
+@pytest.mark.parametrize("field", ["key", "operation", "scope"])
+async def test_nul_in_a_record_query_parameter_is_422_and_changes_nothing(
+    records_gateway: AdminGateway, unique: Callable[[str], str], field: str
+) -> None:
+    key = unique("nul-param")
+    await send_keyed(records_gateway.proxy, key)
+    before = await records_gateway.app.store.get(record_key(key))
+    assert before is not None
+
+    for name, (method, path) in RECORD_CALLS.items():
+        params = by_scope(key)
+        params[field] = params[field] + "\x00"
+        answer = await records_gateway.admin.request(method, path, params=params, headers=ADMIN)
+
+        problem = assert_problem(answer, 422, ":invalid-admin-request", name)
+        assert "NUL" in problem["detail"]
+    assert await records_gateway.app.store.get(record_key(key)) == before
+
+
+async def test_nul_in_an_admin_path_parameter_is_422(gateway: AdminGateway) -> None:
+    answer = await gateway.admin.put(
+        "/admin/breakers/payments%00x", json={"state": "forced_open"}, headers=ADMIN
+    )
+
+    assert_problem(answer, 422, ":invalid-admin-request")
+
+
+async def test_nul_is_checked_only_after_the_token(gateway: AdminGateway) -> None:
+    answer = await gateway.admin.get(
+        "/admin/records", params={"operation": "x", "key": "a\x00", "scope": "anonymous"}
+    )
+
+    assert_problem(answer, 401, ":unauthorized")

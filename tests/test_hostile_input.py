@@ -53,7 +53,7 @@ from tests.faults.checker import DOCUMENTED_5XX
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.background import InBackgroundThread
 from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route
-from tests.support.servers import serve_asgi
+from tests.support.servers import TEST_SCOPE_SECRET, serve_asgi
 from tests.support.upstream import BEHAVIOR_HEADER, EXECUTION_HEADER, Execution
 
 BODY_LIMIT = 64 * 1024
@@ -106,6 +106,7 @@ class BackgroundGateway(InBackgroundThread):
                 database_url=self.database_url,
                 redis_url=self.redis_url,
                 admin_token=SecretStr(ADMIN_TOKEN),
+                scope_secret=SecretStr(TEST_SCOPE_SECRET),
             )
             async with (
                 serve_asgi(gateway, **CLI_SERVER_OPTIONS) as url,
@@ -877,7 +878,10 @@ async def test_two_tenants_on_the_same_keys_never_see_each_others_answers(
     keys = [f"shared-{uuid.uuid4().hex[:8]}-{n}" for n in range(8)]
     async with RecordingUpstream() as upstream:
         gateway = create_gateway(
-            hostile_config(upstream.url), database_url=postgres_url, redis_url=redis_url
+            hostile_config(upstream.url),
+            database_url=postgres_url,
+            redis_url=redis_url,
+            scope_secret=SecretStr(TEST_SCOPE_SECRET),
         )
         async with serve_asgi(gateway, **CLI_SERVER_OPTIONS) as url:
 

@@ -4,12 +4,15 @@ request without ever raising on a hostile body."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import re
 from collections.abc import Sequence
 
 import pytest
 
-from idempotency_gateway.asgi import Headers
+from idempotency_gateway.asgi import Headers, header_values
 from idempotency_gateway.errors import InvalidIdempotencyKey
 from idempotency_gateway.idempotency.fingerprint import request_hash
 from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE, parse_idempotency_key, scope_of
@@ -97,16 +100,62 @@ def test_key_is_read_from_the_configured_header_only() -> None:
 
 AUTHORIZATION = (b"authorization",)
 ACCOUNT_AND_AUTHORIZATION = (b"authorization", b"stripe-account")
+SECRET = b"deployment-secret"
+
+
+def scope(headers: Headers, names: tuple[bytes, ...], *, secret: bytes = SECRET) -> str:
+    return scope_of(headers, names, secret=secret)
+
+
+def bare_sha256_scope(headers: Headers, names: tuple[bytes, ...]) -> str:
+    """What scopes used to be: a hash anyone can recompute from a guessed credential."""
+    digest = hashlib.sha256()
+    for name in names:
+        for value in header_values(headers, name):
+            digest.update(name + b"\x00" + len(value).to_bytes(4, "big") + value)
+        digest.update(b"\x01")
+    return digest.hexdigest()
+
+
+def test_a_basic_credential_cannot_be_recovered_from_its_scope_with_a_dictionary() -> None:
+    stolen = scope(
+        [(b"authorization", b"Basic " + base64.b64encode(b"alice:hunter2"))], AUTHORIZATION
+    )
+    dictionary = [b"password", b"123456", b"hunter2", b"letmein"]
+
+    guesses = {
+        bare_sha256_scope(
+            [(b"authorization", b"Basic " + base64.b64encode(b"alice:" + word))], AUTHORIZATION
+        )
+        for word in dictionary
+    }
+
+    assert stolen not in guesses
+
+
+def test_the_deployment_secret_keys_the_scope() -> None:
+    headers = [(b"authorization", b"Bearer sk_live_1")]
+
+    assert scope(headers, AUTHORIZATION) == scope(headers, AUTHORIZATION, secret=SECRET)
+    assert scope(headers, AUTHORIZATION) != scope(headers, AUTHORIZATION, secret=b"other")
+    assert (
+        scope(headers, AUTHORIZATION)
+        == hmac.new(
+            SECRET,
+            b"authorization\x00" + len(headers[0][1]).to_bytes(4, "big") + headers[0][1] + b"\x01",
+            hashlib.sha256,
+        ).hexdigest()
+    )
 
 
 def test_same_credential_gives_same_scope() -> None:
-    first = scope_of([(b"authorization", b"Bearer sk_live_1")], AUTHORIZATION)
-    again = scope_of([(b"accept", b"*/*"), (b"authorization", b"Bearer sk_live_1")], AUTHORIZATION)
+    first = scope([(b"authorization", b"Bearer sk_live_1")], AUTHORIZATION)
+    again = scope([(b"accept", b"*/*"), (b"authorization", b"Bearer sk_live_1")], AUTHORIZATION)
     assert first == again
 
 
 def test_different_credentials_give_different_scopes() -> None:
-    assert scope_of([(b"authorization", b"Bearer sk_live_1")], AUTHORIZATION) != scope_of(
+    assert scope([(b"authorization", b"Bearer sk_live_1")], AUTHORIZATION) != scope(
         [(b"authorization", b"Bearer sk_live_2")], AUTHORIZATION
     )
 
@@ -119,24 +168,24 @@ def test_different_credentials_give_different_scopes() -> None:
     ],
 )
 def test_no_credential_is_anonymous(headers: Headers) -> None:
-    assert scope_of(headers, AUTHORIZATION) == ANONYMOUS_SCOPE
+    assert scope(headers, AUTHORIZATION) == ANONYMOUS_SCOPE
 
 
 def test_scope_never_contains_the_credential() -> None:
     credential = b"Bearer sk_live_0123456789abcdef0123456789abcdef"
 
-    scope = scope_of([(b"authorization", credential)], AUTHORIZATION)
+    hashed = scope([(b"authorization", credential)], AUTHORIZATION)
 
-    assert SHA256_HEX.fullmatch(scope)
-    assert "sk_live" not in scope
-    assert credential.split()[1].decode() not in scope
+    assert SHA256_HEX.fullmatch(hashed)
+    assert "sk_live" not in hashed
+    assert credential.split()[1].decode() not in hashed
 
 
 def test_scope_from_two_headers_ignores_field_order() -> None:
     auth = (b"authorization", b"Bearer sk_1")
     account = (b"stripe-account", b"acct_1")
 
-    assert scope_of([auth, account], ACCOUNT_AND_AUTHORIZATION) == scope_of(
+    assert scope([auth, account], ACCOUNT_AND_AUTHORIZATION) == scope(
         [account, auth], ACCOUNT_AND_AUTHORIZATION
     )
 
@@ -167,7 +216,7 @@ def test_scope_from_two_headers_ignores_field_order() -> None:
     ],
 )
 def test_scope_from_two_headers_keeps_tenants_apart(one: Headers, other: Headers) -> None:
-    assert scope_of(one, ACCOUNT_AND_AUTHORIZATION) != scope_of(other, ACCOUNT_AND_AUTHORIZATION)
+    assert scope(one, ACCOUNT_AND_AUTHORIZATION) != scope(other, ACCOUNT_AND_AUTHORIZATION)
 
 
 # ---------------------------------------------------------------------------- fingerprint

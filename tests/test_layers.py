@@ -31,9 +31,9 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"operations"}),
     frozenset({"main", "serve", "client"}),
     frozenset({"demo"}),
-    frozenset({"cli"}),
-    # The public API re-exports from every layer; nothing inside the package imports it.
+    # The public API re-exports from every layer below; only the CLI reads it (the version).
     frozenset({"__init__"}),
+    frozenset({"cli"}),
 )
 
 

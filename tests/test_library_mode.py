@@ -16,13 +16,11 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 
-from idempotency_gateway.config import IdempotencyConfig
-from idempotency_gateway.execution import Outcome
-from idempotency_gateway.idempotency import IdempotencyMiddleware
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway import IdempotencyConfig, IdempotencyMiddleware, Outcome, RecordStore
 from tests.support import serve_asgi
 
 CHARGE = {"amount": 1250, "currency": "eur"}
+SCOPE_SECRET = "a long random secret of this deployment"
 
 
 @contextlib.asynccontextmanager
@@ -44,6 +42,7 @@ async def test_readme_example_replays_a_retried_charge(
         IdempotencyMiddleware,
         store=store,
         policy={"/v1/charges": IdempotencyConfig(key="required")},
+        scope_secret=SCOPE_SECRET,
     )
     charges_created: list[str] = []
 
@@ -83,7 +82,9 @@ class ChargesApi:
         self.release = asyncio.Event()
         self.not_executed_once = False
         self.app = FastAPI()
-        self.app.add_middleware(IdempotencyMiddleware, store=store, policy=policy)
+        self.app.add_middleware(
+            IdempotencyMiddleware, store=store, policy=policy, scope_secret=SCOPE_SECRET
+        )
         self.app.post("/v1/charges")(self._create_charge)
         self.app.post("/v1/refunds")(self._create_refund)
 

@@ -32,6 +32,7 @@ from idempotency_gateway.idempotency.keys import scope_of
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
 from tests.support.gateway import gateway_config, route
 from tests.support.keyed import CHARGE, CHARGES, is_replay, send_keyed
+from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.upstream import KEY_HEADER
 
@@ -402,7 +403,11 @@ def send_logged_traffic(
 
 
 def scope_hash_of(secret: str) -> str:
-    return scope_of([(b"authorization", f"Bearer {secret}".encode())], (b"authorization",))
+    return scope_of(
+        [(b"authorization", f"Bearer {secret}".encode())],
+        (b"authorization",),
+        secret=TEST_SCOPE_SECRET.encode(),
+    )
 
 
 def assert_no_secrets(traffic: LoggedTraffic, secret: str) -> None:

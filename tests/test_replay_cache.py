@@ -28,6 +28,7 @@ import redis.asyncio
 from redis.exceptions import RedisError
 
 from idempotency_gateway.idempotency.cache import (
+    INVALIDATION_GUARD,
     CachedAnswer,
     InProcessCache,
     cache_key,
@@ -636,3 +637,21 @@ async def test_redis_killed_under_duplicate_load_costs_no_answer_and_no_second_e
     finally:
         await checker.aclose()
     assert not cache.degraded
+
+
+async def test_an_invalidated_key_stays_out_of_the_in_process_cache_for_its_guard() -> None:
+    now = [100.0]
+    cache = InProcessCache(max_entries=10, max_bytes=1 << 20, monotonic=lambda: now[0])
+    key, other = RecordKey("s", "POST /x", "k1"), RecordKey("s", "POST /x", "k2")
+    await cache.put(answer_for(key))
+    await cache.put(answer_for(other))
+
+    cache.invalidate([key])
+    # A replay that read the record just before the operator's change puts it back: refused.
+    await cache.put(answer_for(key))
+
+    assert await cache.get(key) is None
+    assert await cache.get(other) is not None
+    now[0] += INVALIDATION_GUARD
+    await cache.put(answer_for(key))
+    assert await cache.get(key) is not None

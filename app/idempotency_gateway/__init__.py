@@ -1,0 +1,93 @@
+"""idempotency-gateway as a library: the middleware, its store and caches, their settings.
+
+    from idempotency_gateway import IdempotencyMiddleware, IdempotencyConfig, RecordStore
+
+Names are imported on first use (PEP 562): ``import idempotency_gateway`` stays cheap, the
+CLI can prepare multiprocess metrics before prometheus_client loads, and the client helper's
+httpx is needed only by those who use it (``pip install 'idempotency-gateway[client]'``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from idempotency_gateway.client import IdempotentClient, idempotency_key
+    from idempotency_gateway.config import (
+        AnonymousPolicy,
+        CacheConfig,
+        IdempotencyConfig,
+        KeyPolicy,
+        OnAmbiguous,
+        OutcomeConfig,
+        StoreConfig,
+    )
+    from idempotency_gateway.errors import GatewayError
+    from idempotency_gateway.execution import Outcome
+    from idempotency_gateway.idempotency.cache import InProcessCache
+    from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
+    from idempotency_gateway.idempotency.redis_cache import RedisCache
+    from idempotency_gateway.idempotency.redis_connection import connect_redis
+    from idempotency_gateway.idempotency.store import RecordStore
+    from idempotency_gateway.migrate import upgrade_to_head
+
+try:
+    __version__ = version("idempotency-gateway")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+_HOMES = {
+    "IdempotencyMiddleware": "idempotency_gateway.idempotency.middleware",
+    "RecordStore": "idempotency_gateway.idempotency.store",
+    "InProcessCache": "idempotency_gateway.idempotency.cache",
+    "RedisCache": "idempotency_gateway.idempotency.redis_cache",
+    "connect_redis": "idempotency_gateway.idempotency.redis_connection",
+    "AnonymousPolicy": "idempotency_gateway.config",
+    "CacheConfig": "idempotency_gateway.config",
+    "IdempotencyConfig": "idempotency_gateway.config",
+    "KeyPolicy": "idempotency_gateway.config",
+    "OnAmbiguous": "idempotency_gateway.config",
+    "OutcomeConfig": "idempotency_gateway.config",
+    "StoreConfig": "idempotency_gateway.config",
+    "GatewayError": "idempotency_gateway.errors",
+    "Outcome": "idempotency_gateway.execution",
+    "upgrade_to_head": "idempotency_gateway.migrate",
+    "IdempotentClient": "idempotency_gateway.client",
+    "idempotency_key": "idempotency_gateway.client",
+}
+
+__all__ = [
+    "AnonymousPolicy",
+    "CacheConfig",
+    "GatewayError",
+    "IdempotencyConfig",
+    "IdempotencyMiddleware",
+    "IdempotentClient",
+    "InProcessCache",
+    "KeyPolicy",
+    "OnAmbiguous",
+    "Outcome",
+    "OutcomeConfig",
+    "RecordStore",
+    "RedisCache",
+    "StoreConfig",
+    "__version__",
+    "connect_redis",
+    "idempotency_key",
+    "upgrade_to_head",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'idempotency_gateway' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from typing import Any, TypeVar
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -12,6 +12,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
+T = TypeVar("T")
 
 
 def header_values(headers: Headers, name: bytes) -> list[bytes]:
@@ -68,3 +69,29 @@ async def read_body(receive: Receive, headers: Headers, *, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, or ``ClientDisconnected`` once the client went away first.
+
+    Nobody is left to read the answer, so the work is cancelled (as Envoy resets the upstream
+    stream). Call it only after the body was read; a ``replay_receive`` never disconnects,
+    so a keyed execution is never cut short this way.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()

@@ -27,10 +27,13 @@ from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from idempotency_gateway import __version__
+
     parser = argparse.ArgumentParser(
         prog="idempotency-gateway",
         description="An idempotency gateway: retried requests never execute twice.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the gateway")
@@ -96,11 +99,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run_server(args: argparse.Namespace, settings: EnvSettings, config: GatewayConfig) -> int:
+    from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
     from idempotency_gateway.main import RESOLVED_CONFIG_ENV, database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
 
     database_url = database_url_or_default(settings.database_url)
+    # Refuse here, with a clear message, rather than in every worker.
+    resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.
         upgrade_to_head(database_url)

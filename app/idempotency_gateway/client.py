@@ -19,7 +19,12 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Self
 
-import httpx
+try:
+    import httpx
+except ModuleNotFoundError as missing:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the client helper needs httpx: pip install 'idempotency-gateway[client]'"
+    ) from missing
 
 from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
 

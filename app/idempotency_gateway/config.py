@@ -108,6 +108,13 @@ class KeyPolicy(StrEnum):
     OFF = "off"
 
 
+class AnonymousPolicy(StrEnum):
+    """Keyed requests with no credential in any scope header share one ``anonymous`` scope."""
+
+    ALLOW = "allow"
+    REFUSE = "refuse"
+
+
 class OnAmbiguous(StrEnum):
     FAIL = "fail"
     RETRY = "retry"
@@ -214,6 +221,10 @@ class IdempotencyConfig(_Model):
     ttl: Duration = 24 * 3600.0
     lease: Duration = 30.0
     on_ambiguous: OnAmbiguous = OnAmbiguous.FAIL
+    # Allowed by default: single-tenant and internal services send no credential at all.
+    # Anyone who can guess an anonymous key and body shares its answer, so multi-tenant
+    # routes should refuse (401).
+    anonymous: AnonymousPolicy = AnonymousPolicy.ALLOW
     wait_max: Duration = 10.0
     max_stored_body: ByteSize = 1024 * 1024
     operation: str | None = Field(None, min_length=1, max_length=200)
@@ -336,6 +347,8 @@ class EnvSettings(BaseSettings):
     database_url: str | None = None
     redis_url: str | None = None
     admin_token: SecretStr | None = None
+    # Keys the HMAC of client scopes; see idempotency/scope_secret.py.
+    scope_secret: SecretStr | None = None
     config: Path | None = None
     admin_port: int = Field(8081, ge=0, le=65535)
 

@@ -9,6 +9,7 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
     │   ├── InvalidIdempotencyKey         400
     │   ├── MissingIdempotencyKey         400
     │   ├── InvalidRequestTarget          400
+    │   ├── CredentialRequired            401
     │   ├── NoRouteMatched                404
     │   ├── RequestInFlight               409, Retry-After
     │   ├── RequestBodyTooLarge           413
@@ -67,6 +68,15 @@ class MissingIdempotencyKey(RequestRejected):
 class InvalidRequestTarget(RequestRejected):
     slug = "request-target-invalid"
     title = "Request target not accepted"
+
+
+class CredentialRequired(RequestRejected):
+    """A keyed request with no credential in any scope header, on a route that refuses the
+    shared ``anonymous`` scope."""
+
+    status = 401
+    slug = "credential-required"
+    title = "A credential is required for keyed requests"
 
 
 class NoRouteMatched(RequestRejected):

@@ -33,11 +33,13 @@ from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
 from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
+from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
 from idempotency_gateway.idempotency.store import RecordStore, utc_now
 from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.migrate import upgrade_to_head_async
 from idempotency_gateway.operations.admin import AdminContext, create_admin_app
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
+from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
 from idempotency_gateway.operations.sweeper import Sweeper
 from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
@@ -92,9 +94,11 @@ class Gateway:
         redis_url: str | None = None,
         admin_port: int | None = None,
         admin_token: SecretStr | None = None,
+        scope_secret: SecretStr | None = None,
     ) -> None:
         self.config = config
         self.database_url = database_url_or_default(database_url)
+        secret = resolve_scope_secret(scope_secret, self.database_url)
         self.admin_port = admin_port
         self.store = RecordStore.from_url(self.database_url, config.store)
         self.cache, self.wakeups = replay_layer(config.cache, redis_url)
@@ -107,6 +111,11 @@ class Gateway:
         }
         breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
         self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
+        self.invalidations = (
+            CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
+            if isinstance(self.cache, InProcessCache)
+            else None
+        )
         self.sweeper = Sweeper(self.store, config.sweeper)
         self.idempotency = IdempotencyMiddleware(
             ProxyApp(config, self.upstreams),
@@ -114,6 +123,7 @@ class Gateway:
             cache=self.cache,
             wakeups=self.wakeups,
             policy=RoutePolicies(config.routes),
+            scope_secret=secret,
             scope_headers=config.scope.headers,
             header_name=config.idempotency_header,
             max_request_body=config.limits.max_request_body,
@@ -128,7 +138,9 @@ class Gateway:
                 breakers=breakers,
                 overrides=self.overrides,
                 scope_headers=tuple(name.encode() for name in config.scope.headers),
+                scope_secret=secret,
                 admin_token=admin_token,
+                invalidations=self.invalidations,
             )
         )
         self._background: list[asyncio.Task[None]] = []
@@ -154,6 +166,8 @@ class Gateway:
         if isinstance(self.wakeups, RedisWakeups):
             await self.wakeups.start()
         self._background.append(asyncio.create_task(self.overrides.run()))
+        if self.invalidations is not None:
+            self._background.append(asyncio.create_task(self.invalidations.run()))
         if self.config.sweeper.interval > 0:
             self._background.append(asyncio.create_task(self.sweeper.run()))
 
@@ -198,6 +212,7 @@ def create_gateway(
     redis_url: str | None = None,
     admin_port: int | None = None,
     admin_token: SecretStr | None = None,
+    scope_secret: SecretStr | None = None,
 ) -> Gateway:
     return Gateway(
         config,
@@ -205,6 +220,7 @@ def create_gateway(
         redis_url=redis_url,
         admin_port=admin_port,
         admin_token=admin_token,
+        scope_secret=scope_secret,
     )
 
 
@@ -224,4 +240,5 @@ def gateway_from_environment() -> Gateway:
         redis_url=settings.redis_url,
         admin_port=settings.admin_port,
         admin_token=settings.admin_token,
+        scope_secret=settings.scope_secret,
     )

@@ -21,10 +21,11 @@ from types import TracebackType
 from typing import Any, Self
 
 import httpx
+from pydantic import SecretStr
 
 from idempotency_gateway.config import GatewayConfig, validate_config
 from idempotency_gateway.main import Gateway, create_gateway
-from tests.support.servers import free_port, serve_asgi
+from tests.support.servers import TEST_SCOPE_SECRET, free_port, serve_asgi
 
 PRIMARY = "primary"
 # What ``idempotency-gateway serve`` tells uvicorn (app/cli.py): the gateway alone decides
@@ -93,7 +94,12 @@ async def running_gateway(
 ) -> AsyncIterator[RunningGateway]:
     """Build the gateway with ``create_gateway`` and serve it (lifespan on) over loopback;
     with ``redis_url`` its replay cache and wake-ups are Redis, else in-process."""
-    gateway = create_gateway(config, database_url=database_url, redis_url=redis_url)
+    gateway = create_gateway(
+        config,
+        database_url=database_url,
+        redis_url=redis_url,
+        scope_secret=SecretStr(TEST_SCOPE_SECRET),
+    )
     async with (
         serve_asgi(gateway, **CLI_SERVER_OPTIONS) as url,
         # trust_env off: a proxy in the environment must never sit between test and gateway.

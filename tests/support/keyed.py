@@ -18,6 +18,7 @@ from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.idempotency.keys import scope_of
 from idempotency_gateway.idempotency.record import RecordKey
 from tests.support.gateway import gateway_config, route
+from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import BEHAVIOR_HEADER, KEY_HEADER
 
 AUTHORIZATION = "Bearer sk_test_keyed_requests"
@@ -38,7 +39,11 @@ def keyed_gateway_config(upstream_url: str, **overrides: Any) -> GatewayConfig:
 
 def record_key(key: str, *, method: str = "POST", path: str = CHARGES) -> RecordKey:
     """The record key of a ``send_keyed`` request (default scope and operation)."""
-    scope = scope_of([(b"authorization", AUTHORIZATION.encode())], (b"authorization",))
+    scope = scope_of(
+        [(b"authorization", AUTHORIZATION.encode())],
+        (b"authorization",),
+        secret=TEST_SCOPE_SECRET.encode(),
+    )
     return RecordKey(scope, f"{method} {path}", key)
 
 
@@ -61,4 +66,4 @@ async def send_keyed(
 
 
 def is_replay(response: httpx.Response) -> bool:
-    return response.headers.get(REPLAYED) == "true"
+    return bool(response.headers.get(REPLAYED) == "true")

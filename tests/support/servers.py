@@ -15,9 +15,12 @@ from typing import IO, Any, Literal
 import uvicorn
 import yaml
 
+from idempotency_gateway.idempotency.scope_secret import SCOPE_SECRET_ENV
 from tests.support.lifecycle import StartedInContext
 
 LOOPBACK = "127.0.0.1"
+# The GATEWAY_SCOPE_SECRET of every gateway the tests start (in process or not).
+TEST_SCOPE_SECRET = "test-scope-secret"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 LifespanMode = Literal["auto", "on", "off"]
@@ -143,7 +146,8 @@ class GatewayProcess(StartedInContext):
         cwd: Path | str | None = None,
     ) -> None:
         self.config_path = Path(config_path)
-        self.env = dict(env or {})
+        # Gateways on a shared database refuse to start without one.
+        self.env = {SCOPE_SECRET_ENV: TEST_SCOPE_SECRET, **(env or {})}
         self.extra_args = list(extra_args)
         self.host = host
         self.port = port if port is not None else free_port(host)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
@@ -29,6 +31,9 @@ from idempotency_gateway.telemetry.metrics import CACHE_LOOKUPS
 log = logging.getLogger(__name__)
 
 _FORMAT = 1
+# How long an invalidated key refuses new entries: a replay that read the record just before
+# the operator changed it must not put the old answer back. Far longer than a store read.
+INVALIDATION_GUARD = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +126,20 @@ class ReplayCache(Protocol):
 class InProcessCache:
     """A bounded LRU for the embedded default: by entry count and by total body bytes."""
 
-    def __init__(self, *, max_entries: int, max_bytes: int) -> None:
+    def __init__(
+        self,
+        *,
+        max_entries: int,
+        max_bytes: int,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._entries: OrderedDict[RecordKey, CachedAnswer] = OrderedDict()
         self._bytes = 0
+        self._monotonic = monotonic
+        # Key -> until when puts of it are refused (see INVALIDATION_GUARD).
+        self._guarded: dict[RecordKey, float] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -148,7 +162,7 @@ class InProcessCache:
 
     async def put(self, answer: CachedAnswer) -> bool:
         size = len(answer.response.body)
-        if size > self.max_bytes:
+        if size > self.max_bytes or self._is_guarded(answer.key):
             return False
         self._remove(answer.key)
         self._entries[answer.key] = answer
@@ -162,11 +176,26 @@ class InProcessCache:
         self._remove(key)
         return True
 
+    def invalidate(self, keys: Iterable[RecordKey]) -> None:
+        """Drop records an operator changed, and keep them out for a while."""
+        now = self._monotonic()
+        self._guarded = {key: until for key, until in self._guarded.items() if until > now}
+        for key in keys:
+            self._remove(key)
+            self._guarded[key] = now + INVALIDATION_GUARD
+
+    def _is_guarded(self, key: RecordKey) -> bool:
+        until = self._guarded.get(key)
+        return until is not None and until > self._monotonic()
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
     def _remove(self, key: RecordKey) -> None:
         answer = self._entries.pop(key, None)
         if answer is not None:
             self._bytes -= len(answer.response.body)
 
     async def close(self) -> None:
-        self._entries.clear()
-        self._bytes = 0
+        self.clear()

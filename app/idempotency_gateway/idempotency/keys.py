@@ -8,6 +8,7 @@ visible ASCII characters.
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 from idempotency_gateway.asgi import Headers, header_values
 from idempotency_gateway.errors import InvalidIdempotencyKey
@@ -65,9 +66,13 @@ def parse_idempotency_key(headers: Headers, header_name: bytes) -> str | None:
     return key
 
 
-def scope_of(headers: Headers, scope_headers: tuple[bytes, ...]) -> str:
-    """Who the client is, as a SHA-256 hex digest: the raw credential is never stored."""
-    digest = hashlib.sha256()
+def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: bytes) -> str:
+    """Who the client is, as an HMAC-SHA256 hex digest keyed by the deployment's secret.
+
+    The raw credential is never stored, and without the secret a stored scope cannot be
+    matched against guessed credentials (a bare hash of a short password can).
+    """
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
     present = False
     for name in scope_headers:
         values = header_values(headers, name)

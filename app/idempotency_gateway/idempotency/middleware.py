@@ -20,8 +20,9 @@ from idempotency_gateway.asgi import (
     read_body,
     replay_receive,
 )
-from idempotency_gateway.config import KeyPolicy, StoreUnavailablePolicy
+from idempotency_gateway.config import AnonymousPolicy, KeyPolicy, StoreUnavailablePolicy
 from idempotency_gateway.errors import (
+    CredentialRequired,
     GatewayError,
     KeyReusedWithDifferentRequest,
     MissingIdempotencyKey,
@@ -33,7 +34,11 @@ from idempotency_gateway.errors import (
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedRequest
 from idempotency_gateway.idempotency.fingerprint import request_hash
-from idempotency_gateway.idempotency.keys import parse_idempotency_key, scope_of
+from idempotency_gateway.idempotency.keys import (
+    ANONYMOUS_SCOPE,
+    parse_idempotency_key,
+    scope_of,
+)
 from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from idempotency_gateway.idempotency.prefer import requested_wait
 from idempotency_gateway.idempotency.record import RecordKey
@@ -57,6 +62,7 @@ class IdempotencyMiddleware:
         policy: PolicySource,
         cache: ReplayCache | None = None,
         wakeups: Wakeups | None = None,
+        scope_secret: bytes | str,
         scope_headers: tuple[str, ...] = ("authorization",),
         header_name: str = "Idempotency-Key",
         max_request_body: int = 10 * 1024 * 1024,
@@ -65,6 +71,7 @@ class IdempotencyMiddleware:
     ) -> None:
         self.app = app
         self.policy_for = resolver_for(policy)
+        self.scope_secret = scope_secret.encode() if isinstance(scope_secret, str) else scope_secret
         self.scope_headers = tuple(name.lower().encode("ascii") for name in scope_headers)
         self.header_display_name = header_name
         self.header_name = header_name.lower().encode("ascii")
@@ -134,17 +141,19 @@ class IdempotencyMiddleware:
                 f"the operation ({scope['method']} and the path) is longer than "
                 f"{OPERATION_MAX_LENGTH} characters; keyed requests need a shorter path"
             )
+        client_scope = scope_of(headers, self.scope_headers, secret=self.scope_secret)
+        if client_scope == ANONYMOUS_SCOPE and policy.config.anonymous is AnonymousPolicy.REFUSE:
+            raise CredentialRequired(
+                "keyed requests on this route must carry a credential in "
+                + ", ".join(name.decode() for name in self.scope_headers)
+            )
         body = await read_body(receive, headers, limit=self.max_request_body)
         request = KeyedRequest(
             scope=scope,
             body=body,
             send=send,
             policy=policy,
-            key=RecordKey(
-                scope_of(headers, self.scope_headers),
-                operation,
-                key,
-            ),
+            key=RecordKey(client_scope, operation, key),
             fingerprint=request_hash(
                 method=scope["method"],
                 path=target.path,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Column,
     DateTime,
@@ -67,4 +68,16 @@ breaker_overrides = Table(
     Column("upstream", String(128), primary_key=True),
     Column("state", String(16), nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=False),
+)
+
+# Records an operator deleted or expired: each gateway process drops them from its in-process
+# replay cache on its next poll. Rows are pruned once every process must have seen them.
+cache_invalidations = Table(
+    "cache_invalidations",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("scope", String(64), nullable=False),
+    Column("operation", String(OPERATION_MAX_LENGTH), nullable=False),
+    Column("idempotency_key", String(255), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
 )

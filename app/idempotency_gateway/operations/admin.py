@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, SecretStr
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException
 
 from idempotency_gateway.errors import AdminError, GatewayError, StoreUnavailable
 from idempotency_gateway.idempotency.cache import ReplayCache
@@ -31,6 +32,7 @@ from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.migrate import schema_state
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
+from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
 from idempotency_gateway.problems import problem_body
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.metrics import exposition
@@ -45,7 +47,10 @@ class AdminContext:
     breakers: Mapping[str, CircuitBreaker]
     overrides: BreakerOverrides
     scope_headers: tuple[bytes, ...]
+    scope_secret: bytes
     admin_token: SecretStr | None
+    # Set when the replay cache is per process: deletes must reach every worker's copy.
+    invalidations: CacheInvalidations | None = None
 
 
 class StoredAnswerView(BaseModel):
@@ -162,6 +167,31 @@ def _not_found(detail: str) -> AdminError:
     return AdminError(detail, status=404, slug="not-found", title="Not found")
 
 
+def _invalid(detail: str) -> AdminError:
+    return AdminError(detail, status=422, slug="invalid-admin-request", title="Invalid request")
+
+
+# Starlette's own refusals (unknown path, wrong method), as problems of our tree.
+_ROUTING_PROBLEMS = {
+    404: ("not-found", "Not found", "no admin endpoint at this path"),
+    405: ("method-not-allowed", "Method not allowed", "this endpoint does not take that method"),
+}
+
+
+def _routing_problem(error: HTTPException) -> AdminError:
+    slug, title, detail = _ROUTING_PROBLEMS.get(
+        error.status_code, ("http-error", "HTTP error", str(error.detail))
+    )
+    return AdminError(detail, status=error.status_code, slug=slug, title=title)
+
+
+def refuse_nul(request: Request) -> None:
+    """PostgreSQL text cannot hold NUL: refuse it here (422) instead of failing the store (503)."""
+    values = [request.url.path, *request.path_params.values(), *request.query_params.values()]
+    if any("\x00" in str(value) for value in values):
+        raise _invalid("a path or query parameter holds a NUL character (%00)")
+
+
 def create_admin_app(context: AdminContext) -> FastAPI:
     app = FastAPI(
         title="idempotency-gateway admin API",
@@ -176,15 +206,20 @@ def create_admin_app(context: AdminContext) -> FastAPI:
             headers = {"Retry-After": str(error.retry_after)}
         return _problem_response(error, headers)
 
+    @app.exception_handler(HTTPException)
+    async def routing_error(_request: Request, error: HTTPException) -> Response:
+        # Keeps Allow on a 405: the client learns which methods the endpoint takes.
+        return _problem_response(
+            _routing_problem(error), dict(error.headers) if error.headers else None
+        )
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, error: RequestValidationError) -> Response:
         problems = "; ".join(
             f"{'.'.join(str(part) for part in item['loc'])}: {item['msg']}"
             for item in error.errors()
         )
-        return _problem_response(
-            AdminError(problems, status=422, slug="invalid-admin-request", title="Invalid request")
-        )
+        return _problem_response(_invalid(problems))
 
     @app.exception_handler(SQLAlchemyError)
     async def store_error(_request: Request, _error: SQLAlchemyError) -> Response:
@@ -218,26 +253,21 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         ] = None,
     ) -> RecordKey:
         if (scope is None) == (x_scope_credential is None):
-            raise AdminError(
-                "give exactly one of the scope query parameter or the X-Scope-Credential header",
-                status=422,
-                slug="invalid-admin-request",
-                title="Invalid request",
+            raise _invalid(
+                "give exactly one of the scope query parameter or the X-Scope-Credential header"
             )
         if x_scope_credential is not None:
             if len(context.scope_headers) != 1:
-                raise AdminError(
-                    "the scope combines several headers: give the scope hash instead",
-                    status=422,
-                    slug="invalid-admin-request",
-                    title="Invalid request",
-                )
+                raise _invalid("the scope combines several headers: give the scope hash instead")
             header = (context.scope_headers[0], x_scope_credential.encode("latin-1"))
-            scope = scope_of([header], context.scope_headers)
+            scope = scope_of([header], context.scope_headers, secret=context.scope_secret)
         assert scope is not None
         return RecordKey(scope, operation, key)
 
-    admin: Any = {"dependencies": [Depends(require_token)], "responses": ADMIN_PROBLEMS}
+    admin: Any = {
+        "dependencies": [Depends(require_token), Depends(refuse_nul)],
+        "responses": ADMIN_PROBLEMS,
+    }
     RecordKeyParam = Annotated[RecordKey, Depends(record_key)]
 
     @app.get("/healthz", tags=["health"])
@@ -297,6 +327,8 @@ def create_admin_app(context: AdminContext) -> FastAPI:
             context.store.delete(key) if change == "deleted" else context.store.expire(key)
         )
         cache_cleared = await context.cache.delete(key) and cache_cleared
+        if changed and context.invalidations is not None:
+            await context.invalidations.publish(key)
         if not cache_cleared:
             raise AdminError(
                 f"the record was {change if changed else 'already absent'} but its cache entry "

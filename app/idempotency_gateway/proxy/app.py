@@ -13,7 +13,14 @@ from collections.abc import Mapping
 
 from yarl import URL
 
-from idempotency_gateway.asgi import ClientDisconnected, Receive, Scope, Send, read_body
+from idempotency_gateway.asgi import (
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    cancel_on_disconnect,
+    read_body,
+)
 from idempotency_gateway.config import GatewayConfig, OnAmbiguous, RouteConfig
 from idempotency_gateway.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
 from idempotency_gateway.execution import Outcome, execution_of
@@ -118,11 +125,14 @@ class ProxyApp:
             )
 
         deadline = Deadline.for_request(headers, upstream.client.config.timeouts.total)
-        response = await upstream.open(
-            make_request,
-            deadline=deadline,
-            plan=self._retry_plan(route, scope),
-            request_log=entry,
+        response = await cancel_on_disconnect(
+            receive,
+            upstream.open(
+                make_request,
+                deadline=deadline,
+                plan=self._retry_plan(route, scope),
+                request_log=entry,
+            ),
         )
         try:
             await self._stream_back(scope, response, send)

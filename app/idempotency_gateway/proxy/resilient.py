@@ -115,7 +115,7 @@ class ResilientUpstream:
                     f"the request's deadline ran out before attempt {attempt} to {self.name!r}"
                 )
             try:
-                permit = self.breaker.acquire()
+                trial = self.breaker.trial()
             except CircuitOpen:
                 UPSTREAM_ATTEMPTS.labels(self.name, "circuit_open").inc()
                 raise
@@ -123,22 +123,24 @@ class ResilientUpstream:
                 request_log.attempts = attempt
             head_within = min(self.per_try, time_left)
             started = time.perf_counter()
-            try:
-                response = await self.client.open(
-                    make_request(head_within), head_within=head_within
-                )
-            except UpstreamError as error:
-                self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
-                self.breaker.record(permit, failure=self._error_is_failure(error))
-                reason = self._why_not_retry_error(error, plan)
-                if reason is None:
-                    reason = await self._pause_before_retry(attempt, None, deadline, str(error))
-                if reason is not None:
-                    self._log_final(attempt, type(error).__name__, reason)
-                    raise
-                continue
+            # Any exit without a verdict (cancellation above all) hands the permit back.
+            with trial:
+                try:
+                    response = await self.client.open(
+                        make_request(head_within), head_within=head_within
+                    )
+                except UpstreamError as error:
+                    trial.settle(failure=self._error_is_failure(error))
+                    self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
+                    reason = self._why_not_retry_error(error, plan)
+                    if reason is None:
+                        reason = await self._pause_before_retry(attempt, None, deadline, str(error))
+                    if reason is not None:
+                        self._log_final(attempt, type(error).__name__, reason)
+                        raise
+                    continue
+                trial.settle(failure=self._status_is_failure(response.status))
             self._measure(started, f"{response.status // 100}xx")
-            self.breaker.record(permit, failure=self._status_is_failure(response.status))
             reason = self._why_not_retry_status(response.status, plan)
             if reason is None:
                 retry_after = parse_retry_after(response.header("retry-after"))

@@ -7,6 +7,10 @@
 Operators may pin the breaker: FORCED_OPEN rejects everything, FORCED_CLOSED and DISABLED
 admit everything (DISABLED also stops counting). Outcomes of calls admitted under an earlier
 state are ignored, so a slow call that started before the breaker opened cannot close it.
+
+Callers use ``with breaker.trial() as trial: ...; trial.settle(failure=...)``: leaving the
+block without a verdict (cancelled, or an exception that says nothing about the upstream)
+hands a half-open permit back, so no lost call can keep a breaker refusing for good.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from types import TracebackType
+from typing import Self
 
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
@@ -52,7 +58,49 @@ class Permit:
     started_at: float
 
 
+class Trial:
+    """One admitted call, settled exactly once: by ``settle`` or, failing that, on leaving
+    the ``with`` block, where the permit goes back without a verdict."""
+
+    __slots__ = ("_breaker", "_permit", "settled")
+
+    def __init__(self, breaker: CircuitBreaker, permit: Permit) -> None:
+        self._breaker = breaker
+        self._permit = permit
+        self.settled = False
+
+    def settle(self, *, failure: bool) -> None:
+        """The upstream's verdict on this call; only the first one counts."""
+        if not self.settled:
+            self.settled = True
+            self._breaker.record(self._permit, failure=failure)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if not self.settled:
+            self.settled = True
+            self._breaker.release(self._permit)
+
+
 class CircuitBreaker:
+    """Admission control for one upstream: stops calling it while it is failing.
+
+    ``trial()`` admits one call or raises ``CircuitOpen`` (with a Retry-After hint). The
+    call's verdict (``Trial.settle``) feeds time-windowed failure and slow-call rates; over
+    either threshold the breaker opens for ``open_for`` seconds, then lets ``half_open_calls``
+    probes through and closes when all of them succeed. A call that ends without a verdict
+    (cancelled by a client that went away, or a bug of ours) is neither success nor failure:
+    its permit is returned so the next caller can probe. Operators can pin the state through
+    ``force`` (the admin API's overrides). Not thread-safe: one breaker per event loop.
+    """
+
     def __init__(
         self,
         name: str,
@@ -83,8 +131,15 @@ class CircuitBreaker:
     def _open_time_left(self) -> float:
         return self._opened_at + self.config.open_for - self._clock()
 
+    def trial(self) -> Trial:
+        """Admission for one call, to use as ``with``; raises ``CircuitOpen`` when refused."""
+        return Trial(self, self.acquire())
+
     def acquire(self) -> Permit:
-        """Admission for one attempt; raises ``CircuitOpen`` when the breaker says no."""
+        """Admission for one attempt; raises ``CircuitOpen`` when the breaker says no.
+
+        Every permit must end in ``record`` or ``release``: prefer ``trial()``, which
+        guarantees it."""
         state = self.state
         if state is BreakerState.FORCED_OPEN:
             raise CircuitOpen(self.name, retry_after=self.config.open_for)
@@ -111,6 +166,11 @@ class CircuitBreaker:
             self._slow.add()
         if self._should_open():
             self._move_to(BreakerState.OPEN)
+
+    def release(self, permit: Permit) -> None:
+        """Hand back a permit whose call ended without a verdict on the upstream."""
+        if permit.generation == self._generation and self._state is BreakerState.HALF_OPEN:
+            self._probes_admitted -= 1
 
     def _record_probe(self, *, failed: bool) -> None:
         if failed:

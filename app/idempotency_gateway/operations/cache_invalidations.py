@@ -1,0 +1,97 @@
+"""Admin deletes and expiries reach every process's in-process replay cache.
+
+Without Redis each worker keeps its own cache, and an answer cached there would keep
+replaying after an operator deleted its record. The admin API drops the entry locally and
+writes the record key to ``cache_invalidations``; every process polls the table every
+``interval`` seconds and drops what it has not seen yet. So within ``interval`` plus one
+query after the admin call returns, no worker replays the old answer. A process that cannot
+read the table drops its whole cache instead: it cannot know what it missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from idempotency_gateway.idempotency.cache import InProcessCache
+from idempotency_gateway.idempotency.record import RecordKey
+from idempotency_gateway.idempotency.schema import cache_invalidations
+from idempotency_gateway.telemetry.degradation import DegradationLog
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL = 1.0
+# Far longer than any process goes between polls: older rows have been seen by everyone alive.
+RETENTION = timedelta(minutes=10)
+
+_table = cache_invalidations.c
+
+
+class CacheInvalidations:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        cache: InProcessCache,
+        *,
+        clock: Callable[[], datetime],
+        interval: float = POLL_INTERVAL,
+    ) -> None:
+        self.engine = engine
+        self.cache = cache
+        self.interval = interval
+        self._clock = clock
+        self._seen: int | None = None
+        self.degradation = DegradationLog(
+            "cache invalidations (database)", fallback="dropping the whole replay cache"
+        )
+
+    async def publish(self, key: RecordKey) -> None:
+        """Tell every process to drop ``key``; this process drops it at once."""
+        self.cache.invalidate([key])
+        async with self.engine.begin() as connection:
+            await connection.execute(
+                insert(cache_invalidations).values(
+                    scope=key.scope,
+                    operation=key.operation,
+                    idempotency_key=key.idempotency_key,
+                    created_at=self._clock(),
+                )
+            )
+
+    async def poll_once(self) -> None:
+        async with self.engine.begin() as connection:
+            if self._seen is None:
+                # A starting process has nothing cached: only later invalidations concern it.
+                newest = (await connection.execute(select(func.max(_table.id)))).scalar()
+                self._seen = newest or 0
+                return
+            rows = (
+                await connection.execute(
+                    select(_table.id, _table.scope, _table.operation, _table.idempotency_key)
+                    .where(_table.id > self._seen)
+                    .order_by(_table.id)
+                )
+            ).all()
+            await connection.execute(
+                delete(cache_invalidations).where(_table.created_at < self._clock() - RETENTION)
+            )
+        if rows:
+            self.cache.invalidate(
+                RecordKey(row.scope, row.operation, row.idempotency_key) for row in rows
+            )
+            self._seen = rows[-1].id
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except (SQLAlchemyError, OSError, TimeoutError) as exc:
+                self.degradation.failed(exc)
+                self.cache.clear()
+            await asyncio.sleep(self.interval)
