@@ -1,4 +1,4 @@
-"""What operators watch: Prometheus metrics, structured logs and readiness (SPEC section 8).
+"""What operators watch: Prometheus metrics, structured logs and readiness.
 
 Proves that ``/metrics`` on the admin port counts known traffic exactly, summed over the
 workers of ``serve --workers 2`` whichever worker answers the scrape (each worker is made to
@@ -69,6 +69,28 @@ def metric_samples(scrape: str) -> dict[tuple[str, frozenset[tuple[str, str]]], 
         for family in text_string_to_metric_families(scrape)
         for sample in family.samples
     }
+
+
+# The status class each outcome's requests answered with in these tests.
+STATUS_CLASS = {
+    "executed": "2xx",
+    "replayed": "2xx",
+    "unprotected": "2xx",
+    "mismatch": "4xx",
+    "conflict_in_flight": "4xx",
+    "rejected": "4xx",
+}
+
+
+def requests_of(scrape: str, route: str, outcome: str) -> float | None:
+    """``requests_total`` of ``route`` and ``outcome`` (with the status class it answers)."""
+    return value_of(
+        scrape,
+        "idempotency_gateway_requests_total",
+        route=route,
+        outcome=outcome,
+        status_class=STATUS_CLASS[outcome],
+    )
 
 
 def value_of(scrape: str, name: str, **labels: str) -> float | None:
@@ -167,12 +189,7 @@ async def requests_counted(
 
     async def counted() -> dict[str, float] | None:
         text = await scrape(client, gateway)
-        found = {
-            outcome: value_of(
-                text, "idempotency_gateway_requests_total", route=ROUTE, outcome=outcome
-            )
-            for outcome in expected
-        }
+        found = {outcome: requests_of(text, ROUTE, outcome) for outcome in expected}
         return found if found == expected else None
 
     await eventually(counted, timeout=3.0, message=f"requests counted: {expected}")
@@ -243,10 +260,14 @@ async def test_metrics_count_known_traffic_summed_over_two_workers(
             ("mismatch", 1),
             ("conflict_in_flight", 1),
         ]:
-            labels = {"route": ROUTE, "outcome": outcome}
-            assert value_of(text, "idempotency_gateway_requests_total", **labels) == count
+            assert requests_of(text, ROUTE, outcome) == count
             assert (
-                value_of(text, "idempotency_gateway_request_duration_seconds_count", **labels)
+                value_of(
+                    text,
+                    "idempotency_gateway_request_duration_seconds_count",
+                    route=ROUTE,
+                    outcome=outcome,
+                )
                 == count
             )
         # Every keyed request looked in its worker's cache once; each new key and each
@@ -301,9 +322,7 @@ async def test_metric_labels_never_hold_paths_keys_or_credentials(
     async def all_counted() -> str | None:
         text = await scrape(client, gateway)
         counts = {
-            (route_name, outcome): value_of(
-                text, "idempotency_gateway_requests_total", route=route_name, outcome=outcome
-            )
+            (route_name, outcome): requests_of(text, route_name, outcome)
             for route_name, outcome in [
                 (ROUTE, "executed"),
                 (ROUTE, "rejected"),
