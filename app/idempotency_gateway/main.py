@@ -48,6 +48,7 @@ from idempotency_gateway.telemetry.metrics import (
     BREAKER_TRANSITIONS,
 )
 from idempotency_gateway.telemetry.request_log import AccessLogMiddleware
+from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class Gateway:
         breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
         self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
         self.sweeper = Sweeper(self.store, config.sweeper)
+        self.stuck_records = StuckRecordsSampler(self.store.count_stuck)
         policies = PrefixRouter(
             (route.match.path_prefix, RoutePolicy(route.name, route.idempotency))
             for route in config.routes
@@ -156,6 +158,7 @@ class Gateway:
         if isinstance(self.wakeups, RedisWakeups):
             await self.wakeups.start()
         self._background.append(asyncio.create_task(self.overrides.run()))
+        self._background.append(asyncio.create_task(self.stuck_records.run()))
         if self.config.sweeper.interval > 0:
             self._background.append(asyncio.create_task(self.sweeper.run()))
 
