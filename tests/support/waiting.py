@@ -5,18 +5,36 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
 
+# A predicate answers ``None`` (or another falsy value) until the condition holds; the
+# overloads give the truthy answer its own type, ``None`` excluded.
+@overload
 async def eventually(
-    predicate: Callable[[], T | Awaitable[T]],
+    predicate: Callable[[], Awaitable[T | None]],
+    *,
+    timeout: float = ...,  # noqa: ASYNC109
+    interval: float = ...,
+    message: str | None = ...,
+) -> T: ...
+@overload
+async def eventually(
+    predicate: Callable[[], T | None],
+    *,
+    timeout: float = ...,  # noqa: ASYNC109
+    interval: float = ...,
+    message: str | None = ...,
+) -> T: ...
+async def eventually(
+    predicate: Callable[[], Any],
     *,
     timeout: float = 10.0,  # noqa: ASYNC109 - a deadline is this helper's purpose
     interval: float = 0.02,
     message: str | None = None,
-) -> T:
+) -> Any:
     """Call ``predicate`` (sync or async) until it returns something truthy; return that value.
 
     Raises ``AssertionError`` when ``timeout`` seconds pass first. An exception raised by the
