@@ -72,13 +72,15 @@ def forget_dead_workers() -> None:
 def _forget_dead_workers_forever(directory: str) -> None:
     from prometheus_client import multiprocess
 
-    forgotten: set[int] = set()
+    # Only pids once seen alive as our children: a directory shared with another supervisor
+    # (PROMETHEUS_MULTIPROC_DIR is the operator's to set) must keep that one's workers.
+    workers: set[int] = set()
     while True:
         time.sleep(_CHECK_EVERY)
-        for pid in metric_file_pids(directory) - {os.getpid()}:
+        for pid in metric_file_pids(directory):
             if is_live_child(pid):
-                forgotten.discard(pid)  # a reused pid is a new worker, forgotten again at exit
-            elif pid not in forgotten:
+                workers.add(pid)
+            elif pid in workers:
                 multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
-                forgotten.add(pid)
+                workers.discard(pid)
                 log.info("dropped the live gauges of exited worker %d", pid)
