@@ -166,6 +166,25 @@ async def worker_pids(gateway: GatewayProcess, count: int) -> list[int]:
     return await eventually(started, timeout=20.0, message=f"{count} workers started")
 
 
+async def start_two_workers(
+    start_gateway: StartGateway,
+    config: dict[str, Any],
+    postgres_url: str,
+    metrics_directory: Path,
+) -> tuple[GatewayProcess, list[int]]:
+    """``serve --workers 2`` writing its metric files into ``metrics_directory`` (ours, to see
+    which process wrote what); the gateway and its two workers' pids once both started."""
+    gateway = await start_gateway(
+        config,
+        env={
+            "GATEWAY_DATABASE_URL": postgres_url,
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_directory),
+        },
+        extra_args=["--workers", "2"],
+    )
+    return gateway, await worker_pids(gateway, 2)
+
+
 @contextlib.contextmanager
 def only_worker(serving: int, workers: Sequence[int]) -> Iterator[None]:
     """SIGSTOP every other worker: new connections on the shared sockets can only be
@@ -205,18 +224,11 @@ async def test_metrics_count_known_traffic_summed_over_two_workers(
     unique: Callable[[str], str],
 ) -> None:
     payments = unique_upstream()
-    # Our own directory for the workers' metric files, to see who wrote samples.
     metrics_directory = tmp_path / "metrics"
     metrics_directory.mkdir()
-    gateway = await start_gateway(
-        charges_config(upstream.url, payments),
-        env={
-            "GATEWAY_DATABASE_URL": postgres_url,
-            "PROMETHEUS_MULTIPROC_DIR": str(metrics_directory),
-        },
-        extra_args=["--workers", "2"],
+    gateway, workers = await start_two_workers(
+        start_gateway, charges_config(upstream.url, payments), postgres_url, metrics_directory
     )
-    workers = await worker_pids(gateway, 2)
     worker_a, worker_b = workers
     keys = [unique(f"metrics-{n}") for n in range(7)]
 
@@ -368,15 +380,9 @@ async def test_a_dead_workers_gauges_go_with_it_and_every_live_worker_reports_it
     metrics_directory.mkdir()
     config = charges_config(upstream.url, payments)
     config["upstreams"][payments]["breaker"] = {"min_calls": 2, "open_for": "300s"}
-    gateway = await start_gateway(
-        config,
-        env={
-            "GATEWAY_DATABASE_URL": postgres_url,
-            "PROMETHEUS_MULTIPROC_DIR": str(metrics_directory),
-        },
-        extra_args=["--workers", "2"],
+    gateway, workers = await start_two_workers(
+        start_gateway, config, postgres_url, metrics_directory
     )
-    workers = await worker_pids(gateway, 2)
     worker_a, worker_b = workers
     failing = {BEHAVIOR_HEADER: "status=500"}
     with only_worker(worker_a, workers):
