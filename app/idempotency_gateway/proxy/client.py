@@ -24,9 +24,6 @@ from idempotency_gateway.errors import (
 )
 
 _CHUNK = 64 * 1024
-# aiohttp writes a body this small without waiting for the socket to drain, so an upstream
-# that stops reading cannot stall the write where sock_read (which starts after it) is blind.
-_NO_DRAIN = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,24 +113,15 @@ class UpstreamClient:
         The caller must ``release()`` the response."""
         assert self._session is not None, "UpstreamClient.start() was not called"
         try:
-            if head_within >= self.config.timeouts.per_try and len(request.body) <= _NO_DRAIN:
-                # The session's own timeouts already bound this attempt (connect, then
-                # sock_read from the body's end to the head): no timer of our own needed.
-                response = await self._send(request)
-            else:
-                async with asyncio.timeout(head_within):
-                    response = await self._send(request)
+            async with asyncio.timeout(head_within):
+                response = await self._session.request(
+                    request.method,
+                    # Already encoded: the upstream must see the client's path byte for byte.
+                    URL(request.url, encoded=True),
+                    headers=request.headers,
+                    data=request.body or None,
+                    allow_redirects=False,
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise translate_error(exc, self.name) from exc
         return UpstreamResponse(response, self.name)
-
-    async def _send(self, request: UpstreamRequest) -> aiohttp.ClientResponse:
-        assert self._session is not None
-        return await self._session.request(
-            request.method,
-            # Already encoded: the upstream must see the client's path byte for byte.
-            URL(request.url, encoded=True),
-            headers=request.headers,
-            data=request.body or None,
-            allow_redirects=False,
-        )
