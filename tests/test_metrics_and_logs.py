@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import re
@@ -34,7 +35,7 @@ from tests.support.gateway import gateway_config, route
 from tests.support.keyed import CHARGE, CHARGES, is_replay, send_keyed
 from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.tcp_proxy import TcpProxy
-from tests.support.upstream import KEY_HEADER
+from tests.support.upstream import BEHAVIOR_HEADER, KEY_HEADER
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,6 +71,28 @@ def metric_samples(scrape: str) -> dict[tuple[str, frozenset[tuple[str, str]]], 
         for family in text_string_to_metric_families(scrape)
         for sample in family.samples
     }
+
+
+# The status class each outcome's requests answered with in these tests.
+STATUS_CLASS = {
+    "executed": "2xx",
+    "replayed": "2xx",
+    "unprotected": "2xx",
+    "mismatch": "4xx",
+    "conflict_in_flight": "4xx",
+    "rejected": "4xx",
+}
+
+
+def requests_of(scrape: str, route: str, outcome: str) -> float | None:
+    """``requests_total`` of ``route`` and ``outcome`` (with the status class it answers)."""
+    return value_of(
+        scrape,
+        "idempotency_gateway_requests_total",
+        route=route,
+        outcome=outcome,
+        status_class=STATUS_CLASS[outcome],
+    )
 
 
 def value_of(scrape: str, name: str, **labels: str) -> float | None:
@@ -144,6 +167,25 @@ async def worker_pids(gateway: GatewayProcess, count: int) -> list[int]:
     return await eventually(started, timeout=20.0, message=f"{count} workers started")
 
 
+async def start_two_workers(
+    start_gateway: StartGateway,
+    config: dict[str, Any],
+    postgres_url: str,
+    metrics_directory: Path,
+) -> tuple[GatewayProcess, list[int]]:
+    """``serve --workers 2`` writing its metric files into ``metrics_directory`` (ours, to see
+    which process wrote what); the gateway and its two workers' pids once both started."""
+    gateway = await start_gateway(
+        config,
+        env={
+            "GATEWAY_DATABASE_URL": postgres_url,
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_directory),
+        },
+        extra_args=["--workers", "2"],
+    )
+    return gateway, await worker_pids(gateway, 2)
+
+
 @contextlib.contextmanager
 def only_worker(serving: int, workers: Sequence[int]) -> Iterator[None]:
     """SIGSTOP every other worker: new connections on the shared sockets can only be
@@ -166,14 +208,9 @@ async def requests_counted(
     A request is counted just after its last byte left, so a worker must not be stopped
     before this holds for the requests it served."""
 
-    async def counted() -> dict[str, float] | None:
+    async def counted() -> dict[str, float | None] | None:
         text = await scrape(client, gateway)
-        found = {
-            outcome: value_of(
-                text, "idempotency_gateway_requests_total", route=ROUTE, outcome=outcome
-            )
-            for outcome in expected
-        }
+        found = {outcome: requests_of(text, ROUTE, outcome) for outcome in expected}
         return found if found == expected else None
 
     await eventually(counted, timeout=3.0, message=f"requests counted: {expected}")
@@ -188,18 +225,11 @@ async def test_metrics_count_known_traffic_summed_over_two_workers(
     unique: Callable[[str], str],
 ) -> None:
     payments = unique_upstream()
-    # Our own directory for the workers' metric files, to see who wrote samples.
     metrics_directory = tmp_path / "metrics"
     metrics_directory.mkdir()
-    gateway = await start_gateway(
-        charges_config(upstream.url, payments),
-        env={
-            "GATEWAY_DATABASE_URL": postgres_url,
-            "PROMETHEUS_MULTIPROC_DIR": str(metrics_directory),
-        },
-        extra_args=["--workers", "2"],
+    gateway, workers = await start_two_workers(
+        start_gateway, charges_config(upstream.url, payments), postgres_url, metrics_directory
     )
-    workers = await worker_pids(gateway, 2)
     worker_a, worker_b = workers
     keys = [unique(f"metrics-{n}") for n in range(7)]
 
@@ -244,10 +274,14 @@ async def test_metrics_count_known_traffic_summed_over_two_workers(
             ("mismatch", 1),
             ("conflict_in_flight", 1),
         ]:
-            labels = {"route": ROUTE, "outcome": outcome}
-            assert value_of(text, "idempotency_gateway_requests_total", **labels) == count
+            assert requests_of(text, ROUTE, outcome) == count
             assert (
-                value_of(text, "idempotency_gateway_request_duration_seconds_count", **labels)
+                value_of(
+                    text,
+                    "idempotency_gateway_request_duration_seconds_count",
+                    route=ROUTE,
+                    outcome=outcome,
+                )
                 == count
             )
         # Every keyed request looked in its worker's cache once; each new key and each
@@ -302,9 +336,7 @@ async def test_metric_labels_never_hold_paths_keys_or_credentials(
     async def all_counted() -> str | None:
         text = await scrape(client, gateway)
         counts = {
-            (route_name, outcome): value_of(
-                text, "idempotency_gateway_requests_total", route=route_name, outcome=outcome
-            )
+            (route_name, outcome): requests_of(text, route_name, outcome)
             for route_name, outcome in [
                 (ROUTE, "executed"),
                 (ROUTE, "rejected"),
@@ -321,6 +353,69 @@ async def test_metric_labels_never_hold_paths_keys_or_credentials(
     assert {
         value for _, labels in metric_samples(text) for label, value in labels if label == "route"
     } <= {ROUTE, "everything-else", "-"}
+
+
+def pids_in(scrape_text: str, name: str) -> set[int]:
+    """The ``pid`` labels of the samples of ``name``."""
+    return {
+        int(value)
+        for (sample, labels) in metric_samples(scrape_text)
+        if sample == name
+        for label, value in labels
+        if label == "pid"
+    }
+
+
+async def test_a_dead_workers_gauges_go_with_it_and_every_live_worker_reports_itself(
+    tmp_path: Path,
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+) -> None:
+    """Worker A's breaker opens (so its gauge says 2, the worst over workers); A is killed
+    with SIGKILL: the gauge falls back to what live workers see, A's process metrics vanish
+    and its replacement's appear. Counters keep A's requests."""
+    payments = unique_upstream()
+    metrics_directory = tmp_path / "metrics"
+    metrics_directory.mkdir()
+    config = charges_config(upstream.url, payments)
+    config["upstreams"][payments]["breaker"] = {"min_calls": 2, "open_for": "300s"}
+    gateway, workers = await start_two_workers(
+        start_gateway, config, postgres_url, metrics_directory
+    )
+    worker_a, worker_b = workers
+    failing = {BEHAVIOR_HEADER: "status=500"}
+    with only_worker(worker_a, workers):
+        for _ in range(2):
+            answer = await client.get(gateway.url + "/v1/refunds", headers=failing)
+            assert answer.status_code == 500
+        text = await scrape(client, gateway)
+    breaker = "idempotency_gateway_breaker_state"
+    assert value_of(text, breaker, upstream=payments) == 2  # open, in A
+    assert pids_in(text, "process_cpu_seconds_total") >= {worker_a, worker_b}
+    version = {
+        dict(labels).get("version")
+        for (name, labels) in metric_samples(text)
+        if name == "idempotency_gateway_build_info"
+    }
+    assert version == {importlib.metadata.version("idempotency-gateway")}
+    server_errors = {"route": "everything-else", "outcome": "unprotected", "status_class": "5xx"}
+    assert value_of(text, "idempotency_gateway_requests_total", **server_errors) == 2
+
+    os.kill(worker_a, signal.SIGKILL)
+
+    async def forgotten() -> str | None:
+        text = await scrape(client, gateway)
+        processes = pids_in(text, "process_cpu_seconds_total")
+        replaced = worker_a not in processes and len(processes - {worker_a, worker_b}) >= 1
+        closed = value_of(text, breaker, upstream=payments) == 0
+        return text if replaced and closed else None
+
+    text = await eventually(forgotten, timeout=20.0, message="worker A's gauges dropped")
+    assert worker_b in pids_in(text, "process_resident_memory_bytes")
+    assert not list(metrics_directory.glob(f"gauge_live*_{worker_a}.db"))
+    assert value_of(text, "idempotency_gateway_requests_total", **server_errors) == 2
 
 
 # ------------------------------------------------------------------------------ logging
@@ -428,11 +523,13 @@ async def test_json_logs_have_one_line_per_request_and_no_secrets(
         return requests if len(requests) >= len(EXPECTED_LINES) else None
 
     logged = await eventually(access_lines, message="an access line per request")
+    [worker] = await worker_pids(traffic.gateway, 1)
 
     assert len(logged) == len(EXPECTED_LINES)
     for line, answer, expected in zip(logged, traffic.answers, EXPECTED_LINES, strict=True):
         request = line["request"]
         assert (line["level"], line["message"]) == ("info", "request")
+        assert (line["request_id"], line["pid"]) == (answer.headers["X-Request-Id"], worker)
         assert request["request_id"] == answer.headers["X-Request-Id"]
         assert request["route"] == expected.route
         assert request["outcome"] == expected.outcome
@@ -473,6 +570,64 @@ async def test_text_logs_write_key_value_lines_and_no_secrets(
         assert float(fields["duration_ms"]) > 0
     assert not any(line.startswith("{") for line in traffic.gateway.log_text().splitlines())
     assert_no_secrets(traffic, secret)
+
+
+def json_lines(gateway: GatewayProcess) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in gateway.log_text().splitlines() if line]
+
+
+async def test_retry_startup_and_admin_lines_say_who_what_and_where(
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+) -> None:
+    """Decision lines inside a request carry its request id; the supervisor's startup line
+    names ports, store, cache and routes (never the database password); an admin action
+    says what it did and from which address."""
+    payments = unique_upstream()
+    password = f"pw{uuid.uuid4().hex[:12]}"
+    # PostgreSQL trusts loopback here, so the password is ignored but must stay unlogged.
+    database_url = postgres_url.replace("postgres@", f"postgres:{password}@")
+    assert password in database_url
+    gateway = await start_gateway(
+        charges_config(upstream.url, payments),
+        env={"GATEWAY_DATABASE_URL": database_url, "GATEWAY_ADMIN_TOKEN": "signals-token"},
+        extra_args=["--log-format", "json"],
+    )
+    [worker] = await worker_pids(gateway, 1)
+    failed = await client.get(gateway.url + "/v1/refunds", headers={BEHAVIOR_HEADER: "status=503"})
+    assert failed.status_code == 503
+    forced = await client.put(
+        f"{gateway.admin_url}/admin/breakers/{payments}",
+        json={"state": "forced_open"},
+        headers={"Authorization": "Bearer signals-token"},
+    )
+    assert forced.status_code == 200, forced.text
+
+    def lines_of(logger: str) -> list[dict[str, Any]]:
+        return [line for line in json_lines(gateway) if line["logger"] == logger]
+
+    [decision] = await eventually(
+        lambda: lines_of("idempotency_gateway.proxy.resilient") or None,
+        message="the retry decision line",
+    )
+    assert "not retrying upstream" in decision["message"]
+    assert (decision["request_id"], decision["pid"]) == (failed.headers["X-Request-Id"], worker)
+
+    [startup] = lines_of("idempotency_gateway.startup")
+    assert (startup["port"], startup["admin_port"]) == (gateway.port, gateway.admin_port)
+    assert (startup["workers"], startup["routes"], startup["cache"]) == (1, 2, "in-process")
+    assert startup["store"] == database_url.replace(password, "***")
+    assert password not in gateway.log_text()
+
+    [audit] = await eventually(
+        lambda: lines_of("idempotency_gateway.audit") or None, message="the admin action line"
+    )
+    action = audit["admin"]
+    assert (action["action"], action["upstream"]) == ("breaker set to forced_open", payments)
+    assert action["client"].startswith("127.0.0.1:")
+    assert "request_id" not in audit  # not inside a proxied request
 
 
 # ---------------------------------------------------------------------------- readiness

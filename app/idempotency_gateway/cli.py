@@ -21,6 +21,7 @@ from idempotency_gateway.config import (
     single_upstream_config,
 )
 from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare_metrics_directory
+from idempotency_gateway.telemetry.startup import log_startup
 
 # Everything else is imported by the command that needs it: `serve --workers N` must set the
 # metrics directory before prometheus_client is imported anywhere in this process.
@@ -113,6 +114,17 @@ def _run_server(args: argparse.Namespace, settings: EnvSettings, config: Gateway
     admin_port = args.admin_port if args.admin_port is not None else settings.admin_port
     os.environ[RESOLVED_CONFIG_ENV] = config.model_dump_json()
     os.environ["GATEWAY_ADMIN_PORT"] = str(admin_port)
+    log_startup(
+        log_level=args.log_level,
+        log_format=args.log_format,
+        host=args.host,
+        port=args.port,
+        admin_port=admin_port,
+        workers=args.workers,
+        database_url=database_url,
+        redis_url=settings.redis_url,
+        routes=len(config.routes),
+    )
     serve(
         host=args.host,
         port=args.port,

@@ -52,6 +52,7 @@ from idempotency_gateway.telemetry.metrics import (
     BREAKER_TRANSITIONS,
 )
 from idempotency_gateway.telemetry.request_log import AccessLogMiddleware
+from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class Gateway:
             else None
         )
         self.sweeper = Sweeper(self.store, config.sweeper)
+        self.stuck_records = StuckRecordsSampler(self.store.count_stuck)
         self.idempotency = IdempotencyMiddleware(
             ProxyApp(config, self.upstreams),
             store=self.store,
@@ -168,6 +170,7 @@ class Gateway:
         self._background.append(asyncio.create_task(self.overrides.run()))
         if self.invalidations is not None:
             self._background.append(asyncio.create_task(self.invalidations.run()))
+        self._background.append(asyncio.create_task(self.stuck_records.run()))
         if self.config.sweeper.interval > 0:
             self._background.append(asyncio.create_task(self.sweeper.run()))
 

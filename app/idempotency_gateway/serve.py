@@ -13,6 +13,7 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 from idempotency_gateway.telemetry.logs import LogFormat, uvicorn_log_config
+from idempotency_gateway.telemetry.multiprocess import forget_dead_workers
 
 GATEWAY_FACTORY = "idempotency_gateway.main:gateway_from_environment"
 # Long enough for in-flight executions to finish and finalize after SIGTERM.
@@ -57,6 +58,7 @@ def serve(
     )
     sockets = [_bind(host, port), _bind(host, admin_port)]
     if workers > 1:
+        forget_dead_workers()
         Multiprocess(config, sockets=sockets).run()
     else:
         uvicorn.Server(config).run(sockets=sockets)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -27,7 +26,7 @@ from idempotency_gateway.errors import (
 from idempotency_gateway.execution import STATE_KEY, Execution, Outcome
 from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache
 from idempotency_gateway.idempotency.machine import Action, classify, decide
-from idempotency_gateway.idempotency.owner import OwnerRun
+from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.policy import RoutePolicy
 from idempotency_gateway.idempotency.record import (
     REPLAYABLE,
@@ -41,7 +40,11 @@ from idempotency_gateway.idempotency.store import Claim, RecordStore
 from idempotency_gateway.idempotency.wakeups import Wakeups
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.telemetry.metrics import TAKEOVERS
-from idempotency_gateway.telemetry.request_log import note_outcome, request_log_of
+from idempotency_gateway.telemetry.request_log import (
+    RequestOutcome,
+    note_outcome,
+    request_log_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,16 +110,16 @@ class IdempotencyEngine:
         cached = await self.cache.get(request.key)
         if cached is not None:
             if cached.request_hash != request.fingerprint:
-                note_outcome(request.scope, "mismatch")
+                note_outcome(request.scope, RequestOutcome.MISMATCH)
                 raise _mismatch()
-            note_outcome(request.scope, "replayed")
+            note_outcome(request.scope, RequestOutcome.REPLAYED)
             await send_stored(request.send, cached.response, replayed=True)
             return
         await self._decide_and_act(request)
 
     async def _decide_and_act(self, request: KeyedRequest) -> None:
         config = request.config
-        claim = Claim(request.fingerprint, uuid.uuid4().hex, config.lease, config.ttl)
+        claim = Claim(request.fingerprint, new_owner_id(), config.lease, config.ttl)
         waited: Headers = []
         for _ in range(_MAX_DECISIONS):
             reservation = await self.store.reserve(request.key, claim)
@@ -127,14 +130,14 @@ class IdempotencyEngine:
             action = decide(record, request_hash=request.fingerprint, now=reservation.now)
             if action is Action.REPLAY:
                 assert record.response is not None
-                note_outcome(request.scope, "replayed")
+                note_outcome(request.scope, RequestOutcome.REPLAYED)
                 answer = CachedAnswer.of(record)
                 if answer is not None:
                     await self.cache.put(answer)
                 await send_stored(request.send, record.response, replayed=True, extra=waited)
                 return
             if action is Action.MISMATCH:
-                note_outcome(request.scope, "mismatch")
+                note_outcome(request.scope, RequestOutcome.MISMATCH)
                 raise _mismatch()
             if action is Action.IN_FLIGHT:
                 if request.wait > 0 and not waited:
@@ -143,7 +146,7 @@ class IdempotencyEngine:
                     await self.wakeups.wait(request.key, request.wait)
                     waited = [(b"preference-applied", f"wait={request.wait:g}".encode())]
                     continue
-                note_outcome(request.scope, "conflict_in_flight")
+                note_outcome(request.scope, RequestOutcome.CONFLICT_IN_FLIGHT)
                 raise RequestInFlight(
                     "the first request with this Idempotency-Key is still running; "
                     "retry with the same key to get its answer",
@@ -158,7 +161,7 @@ class IdempotencyEngine:
                 return
             await self._execute(request, taken)
             return
-        note_outcome(request.scope, "conflict_in_flight")
+        note_outcome(request.scope, RequestOutcome.CONFLICT_IN_FLIGHT)
         raise RequestInFlight(
             "the record for this Idempotency-Key is changing hands; retry shortly",
             retry_after=IN_FLIGHT_RETRY_AFTER,
@@ -166,7 +169,7 @@ class IdempotencyEngine:
 
     async def _settle_abandoned(self, request: KeyedRequest, record: Record) -> None:
         """An owner died mid-flight: record that the outcome is unknown, never execute twice."""
-        note_outcome(request.scope, "outcome_unknown")
+        note_outcome(request.scope, RequestOutcome.OUTCOME_UNKNOWN)
         log.warning(
             "took over an abandoned record; outcome unknown, not executing again",
             extra={"route": request.policy.name, "fencing_token": record.fencing_token},
@@ -190,7 +193,7 @@ class IdempotencyEngine:
         await self.wakeups.notify(request.key, published=published)
 
     async def _execute(self, request: KeyedRequest, record: Record) -> None:
-        note_outcome(request.scope, "executed")
+        note_outcome(request.scope, RequestOutcome.EXECUTED)
         task = asyncio.create_task(self._run_owner(request, record))
         self.executions.add(task)
         task.add_done_callback(self.executions.discard)

@@ -48,7 +48,11 @@ from idempotency_gateway.idempotency.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.target import RequestTarget, target_or_refuse
-from idempotency_gateway.telemetry.request_log import note_outcome, request_log_of
+from idempotency_gateway.telemetry.request_log import (
+    RequestOutcome,
+    note_outcome,
+    request_log_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ class IdempotencyMiddleware:
             return
         target = await target_or_refuse(scope, send)
         if target is None:
-            note_outcome(scope, "rejected")
+            note_outcome(scope, RequestOutcome.REJECTED)
             return
         policy = self.policy_for(target)
         if policy is None or not policy.covers(scope["method"]):
@@ -117,9 +121,9 @@ class IdempotencyMiddleware:
             if isinstance(error, RequestRejected) and not isinstance(
                 error, KeyReusedWithDifferentRequest | RequestInFlight
             ):
-                note_outcome(scope, "rejected")
+                note_outcome(scope, RequestOutcome.REJECTED)
             elif isinstance(error, StoreUnavailable):
-                note_outcome(scope, "store_unavailable")
+                note_outcome(scope, RequestOutcome.STORE_UNAVAILABLE)
             await send_problem(send, error, request_id=request_id_of(scope))
 
     async def _protect(
@@ -170,5 +174,5 @@ class IdempotencyMiddleware:
             if self.store_unavailable is StoreUnavailablePolicy.FAIL_CLOSED:
                 raise
             log.warning("store unavailable: proxying without idempotency protection")
-            note_outcome(scope, "unprotected")
+            note_outcome(scope, RequestOutcome.STORE_DOWN_PASSED_THROUGH)
             await self.app(scope, replay_receive(body), send)

@@ -35,6 +35,7 @@ from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
 from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
 from idempotency_gateway.problems import problem_body
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.telemetry.audit import log_admin_action
 from idempotency_gateway.telemetry.metrics import exposition
 
 READINESS_TIMEOUT = 2.0
@@ -342,14 +343,22 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         return {change: True}
 
     @app.delete("/admin/records", **admin, tags=["records"])
-    async def delete_record(key: RecordKeyParam) -> dict[str, Any]:
+    async def delete_record(key: RecordKeyParam, request: Request) -> dict[str, Any]:
         """Delete a record and its cache entry: the key may execute again."""
-        return await change_record(key, "deleted")
+        result = await change_record(key, "deleted")
+        log_admin_action(
+            "record deleted", client=request.client, scope=key.scope, operation=key.operation
+        )
+        return result
 
     @app.post("/admin/records/expire", **admin, tags=["records"])
-    async def expire_record(key: RecordKeyParam) -> dict[str, Any]:
+    async def expire_record(key: RecordKeyParam, request: Request) -> dict[str, Any]:
         """Expire a record now (it stays readable until swept): the key may execute again."""
-        return await change_record(key, "expired")
+        result = await change_record(key, "expired")
+        log_admin_action(
+            "record expired", client=request.client, scope=key.scope, operation=key.operation
+        )
+        return result
 
     def breaker_view(name: str, breaker: CircuitBreaker) -> BreakerView:
         snapshot = breaker.snapshot()
@@ -369,13 +378,18 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         return [breaker_view(name, breaker) for name, breaker in context.breakers.items()]
 
     @app.put("/admin/breakers/{upstream}", **admin, tags=["breakers"])
-    async def force_breaker(upstream: str, command: BreakerCommand) -> BreakerView:
+    async def force_breaker(
+        upstream: str, command: BreakerCommand, request: Request
+    ) -> BreakerView:
         """Force a breaker for every gateway (applied everywhere within seconds), or
         ``normal`` to hand it back to its failure counts."""
         if upstream not in context.breakers:
             raise _not_found(f"no upstream named {upstream!r}")
         state = None if command.state is ForcedState.NORMAL else BreakerState(command.state.value)
         await context.overrides.set(upstream, state)
+        log_admin_action(
+            f"breaker set to {command.state.value}", client=request.client, upstream=upstream
+        )
         return breaker_view(upstream, context.breakers[upstream])
 
     return app

@@ -37,6 +37,7 @@ from idempotency_gateway.telemetry.metrics import (
     UPSTREAM_ATTEMPT_DURATION,
     UPSTREAM_ATTEMPTS,
     UPSTREAM_RETRIES,
+    Children,
 )
 from idempotency_gateway.telemetry.request_log import RequestLog
 
@@ -95,6 +96,9 @@ class ResilientUpstream:
         self._sleep = sleep
         self._uniform = uniform
         self.per_try = config.timeouts.per_try
+        # Bound once: the name is fixed and the results are a handful of words.
+        self._attempt_duration = UPSTREAM_ATTEMPT_DURATION.labels(self.name)
+        self._attempts = Children(UPSTREAM_ATTEMPTS)
 
     async def open(
         self,
@@ -117,7 +121,7 @@ class ResilientUpstream:
             try:
                 trial = self.breaker.trial()
             except CircuitOpen:
-                UPSTREAM_ATTEMPTS.labels(self.name, "circuit_open").inc()
+                self._attempts(self.name, "circuit_open").inc()
                 raise
             if request_log is not None:
                 request_log.attempts = attempt
@@ -215,8 +219,8 @@ class ResilientUpstream:
         return None
 
     def _measure(self, started: float, result: str) -> None:
-        UPSTREAM_ATTEMPT_DURATION.labels(self.name).observe(time.perf_counter() - started)
-        UPSTREAM_ATTEMPTS.labels(self.name, result).inc()
+        self._attempt_duration.observe(time.perf_counter() - started)
+        self._attempts(self.name, result).inc()
 
     def _log_final(self, attempts: int, outcome: str, reason: str) -> None:
         log.info(

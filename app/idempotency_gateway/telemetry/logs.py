@@ -1,10 +1,18 @@
-"""Log output: JSON lines for machines, plain text on a terminal."""
+"""Log output: JSON lines for machines, plain text on a terminal.
+
+Every line carries the worker's ``pid`` and, inside a request, its ``request_id`` (from a
+context variable the access middleware sets, so retry, breaker and store lines of a request
+can be found by the id the client saw in ``X-Request-Id``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
-from datetime import UTC, datetime
+import time
+from contextvars import ContextVar
+from datetime import datetime
 from typing import Any, Literal
 
 import orjson
@@ -12,46 +20,86 @@ import orjson
 LogFormat = Literal["auto", "json", "text"]
 
 # Attributes every LogRecord has; anything else was passed with ``extra=`` and is data.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
-# uvicorn adds an ANSI-coloured copy of its messages; it has no place in a log line.
-_STANDARD |= {"color_message"}
+_STANDARD = frozenset(
+    set(vars(logging.LogRecord("", 0, "", 0, "", None, None)))
+    | {"message", "asctime"}
+    # uvicorn adds an ANSI-coloured copy of its messages; it has no place in a log line.
+    | {"color_message"}
+)
+
+current_request_id: ContextVar[str | None] = ContextVar("current_request_id", default=None)
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    # A set difference instead of a loop over the record's two dozen standard attributes.
+    names = record.__dict__.keys() - _STANDARD
+    return {name: record.__dict__[name] for name in names if not name.startswith("_")}
+
+
+class _UtcSecond:
+    """``2026-01-31T12:00:00`` of the current second, formatted once per second, not per line."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._text = ""
+
+    def iso_milliseconds(self, created: float) -> str:
+        second = int(created)
+        if second != self._second:
+            self._second = second
+            self._text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{self._text}.{int((created - second) * 1000):03d}+00:00"
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clock = _UtcSecond()
+
     def format(self, record: logging.LogRecord) -> str:
         document: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "time": self._clock.iso_milliseconds(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
+            "pid": record.process,
         }
-        for name, value in vars(record).items():
-            if name not in _STANDARD and not name.startswith("_"):
-                document[name] = value
+        request_id = current_request_id.get()
+        if request_id is not None:
+            document["request_id"] = request_id
+        document.update(_extras(record))
         if record.exc_info:
             document["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(document, default=str).decode()
+
+
+def _flatten(extras: dict[str, Any]) -> dict[str, Any]:
+    """Structured extras (the access line's request fields) become top-level ``key=value``."""
+    flat: dict[str, Any] = {}
+    for name, value in extras.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+        if isinstance(value, dict):
+            flat.update({k: v for k, v in value.items() if v is not None})
+        else:
+            flat[name] = value
+    return flat
 
 
 class TextFormatter(logging.Formatter):
     """``time level logger message key=value ...``: readable in a terminal."""
 
     def format(self, record: logging.LogRecord) -> str:
-        extras = {
-            k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")
-        }
-        flat: dict[str, Any] = {}
-        for name, value in extras.items():
-            if isinstance(value, dict):
-                flat.update({k: v for k, v in value.items() if v is not None})
-            else:
-                flat[name] = value
+        flat: dict[str, Any] = {"pid": record.process}
+        request_id = current_request_id.get()
+        if request_id is not None:
+            flat["request_id"] = request_id
+        flat.update(_flatten(_extras(record)))
         line = (
             f"{datetime.fromtimestamp(record.created).strftime('%H:%M:%S.%f')[:-3]} "
-            f"{record.levelname:<7} {record.name}: {record.getMessage()}"
+            f"{record.levelname:<7} {record.name}: {record.getMessage()} "
         )
-        if flat:
-            line += " " + " ".join(f"{k}={v}" for k, v in flat.items())
+        line += " ".join(f"{k}={v}" for k, v in flat.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

@@ -4,11 +4,17 @@ With ``serve --workers N`` every worker writes its samples to ``PROMETHEUS_MULTI
 a scrape of any worker reads them all, so ``/metrics`` shows the sum over workers (the CLI sets
 the directory up before the workers start). Labels are bounded: route and upstream names from
 the config, operation names and outcome words, never paths, keys or credentials.
+
+Gauges use a ``live*`` multiprocess mode: the supervisor drops a dead worker's gauge files
+(``multiprocess.forget_dead_workers``), so a gauge never speaks for a process that is gone.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
+from typing import Generic, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,9 +26,12 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV
+from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, live_worker_pids
+from idempotency_gateway.telemetry.worker_processes import WorkerProcessCollector
 
 PREFIX = "idempotency_gateway_"
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 # Proxy latencies: sub-millisecond replays up to the 30 s default deadline.
 _REQUEST_BUCKETS = (
@@ -47,8 +56,8 @@ _STORAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 
 REQUESTS = Counter(
     PREFIX + "requests_total",
-    "Requests by route and idempotency outcome",
-    ["route", "outcome"],
+    "Requests by route, idempotency outcome and response status class (2xx, 4xx, ...)",
+    ["route", "outcome", "status_class"],
 )
 REQUEST_DURATION = Histogram(
     PREFIX + "request_duration_seconds",
@@ -80,9 +89,11 @@ RETRY_BUDGET_EXHAUSTED = Counter(
 BREAKER_STATE = Gauge(
     PREFIX + "breaker_state",
     "Circuit breaker state: 0 closed, 1 half_open, 2 open, 3 forced_open, "
-    "4 forced_closed, 5 disabled (worst over workers)",
+    "4 forced_closed, 5 disabled (worst over live workers)",
     ["upstream"],
-    multiprocess_mode="max",
+    # The worst state any live worker sees is what an operator must know; a dead worker's
+    # "forced open" must not outlive it (it would keep BreakerForced firing forever).
+    multiprocess_mode="livemax",
 )
 BREAKER_TRANSITIONS = Counter(
     PREFIX + "breaker_transitions_total",
@@ -121,10 +132,32 @@ TAKEOVERS = Counter(
     "Records taken over by a new execution, by reason",
     ["reason"],
 )
+STUCK_RECORDS = Gauge(
+    PREFIX + "stuck_records",
+    "IN_PROGRESS records whose lease ran out (owner died or stalled), sampled periodically; "
+    "capped at the sample limit",
+    # Every worker counts the same table: the freshest sample of a live worker is the answer.
+    multiprocess_mode="livemostrecent",
+)
+BUILD_INFO = Gauge(
+    PREFIX + "build_info",
+    "Always 1; the labels say which gateway and Python versions run",
+    ["version", "python_version"],
+    # One series per version: during a rolling restart old and new workers both show.
+    multiprocess_mode="livemax",
+)
 SWEPT_RECORDS = Counter(
     PREFIX + "swept_records_total",
     "Expired records deleted by the sweeper",
 )
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("idempotency-gateway")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
 
 BREAKER_STATE_VALUES = {
     "closed": 0,
@@ -136,12 +169,34 @@ BREAKER_STATE_VALUES = {
 }
 
 
+BUILD_INFO.labels(_package_version(), platform.python_version()).set(1)
+
+
 def exposition() -> tuple[bytes, str]:
     """The scrape body: every worker's samples when running multiprocess."""
-    if os.environ.get(MULTIPROCESS_ENV):
+    directory = os.environ.get(MULTIPROCESS_ENV)
+    if directory:
         registry = CollectorRegistry()
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        registry.register(WorkerProcessCollector(lambda: live_worker_pids(directory)))
         return generate_latest(registry), CONTENT_TYPE_LATEST
     from prometheus_client import REGISTRY
 
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+class Children(Generic[M]):
+    """``metric.labels(*values)`` looked up once per label combination, not per request.
+
+    Safe to keep forever only because every label here is bounded (config names, enums).
+    """
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child

@@ -1,26 +1,44 @@
 """One request id, one structured log line and one set of metrics per request.
 
 ``AccessLogMiddleware`` is the outermost layer: it gives the request its ``X-Request-Id``
-(echoed on the response), puts a ``RequestLog`` into the ASGI scope,
-the layers below fill in what they learn (route, upstream, idempotency outcome, attempts,
-scope hash), and when the response ends it writes the log line and the request metrics.
-Never a credential, a key or a body: the scope is its hash, the path is logged but never a
-metric label.
+(echoed on the response and set as the log context's request id), puts a ``RequestLog`` into
+the ASGI scope, the layers below fill in what they learn (route, upstream, idempotency
+outcome, attempts, scope hash), and when the response ends it writes the log line and the
+request metrics. Never a credential, a key or a body: the scope is its hash, the path is
+logged but never a metric label.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from enum import StrEnum
 
 from idempotency_gateway.asgi import ASGIApp, Message, Receive, Scope, Send
 from idempotency_gateway.request_id import REQUEST_ID_HEADER, ensure_request_id
-from idempotency_gateway.telemetry.metrics import REQUEST_DURATION, REQUESTS
+from idempotency_gateway.telemetry.logs import current_request_id
+from idempotency_gateway.telemetry.metrics import REQUEST_DURATION, REQUESTS, Children
 
 log = logging.getLogger("idempotency_gateway.access")
 
 STATE_KEY = "request_log"
+
+
+class RequestOutcome(StrEnum):
+    """What the gateway did with a request: the ``outcome`` label and log field. An enum so
+    a misspelt outcome fails type checking instead of starting a new time series."""
+
+    EXECUTED = "executed"
+    REPLAYED = "replayed"
+    CONFLICT_IN_FLIGHT = "conflict_in_flight"
+    MISMATCH = "mismatch"
+    REJECTED = "rejected"
+    STORE_UNAVAILABLE = "store_unavailable"
+    # The store was down and the route fails open: proxied with no idempotency protection.
+    STORE_DOWN_PASSED_THROUGH = "store_down_passed_through"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    UNPROTECTED = "unprotected"
 
 
 @dataclass(slots=True)
@@ -30,9 +48,7 @@ class RequestLog:
     path: str
     route: str = "-"
     upstream: str | None = None
-    # executed | replayed | conflict_in_flight | mismatch | rejected | store_unavailable |
-    # outcome_unknown | unprotected
-    outcome: str = "unprotected"
+    outcome: RequestOutcome = RequestOutcome.UNPROTECTED
     attempts: int = 0
     status: int | None = None
     scope_hash: str | None = None
@@ -44,10 +60,19 @@ def request_log_of(scope: Scope) -> RequestLog | None:
     return entry if isinstance(entry, RequestLog) else None
 
 
-def note_outcome(scope: Scope, outcome: str) -> None:
+def note_outcome(scope: Scope, outcome: RequestOutcome) -> None:
     entry = request_log_of(scope)
     if entry is not None:
         entry.outcome = outcome
+
+
+def status_class(status: int | None) -> str:
+    """``2xx`` .. ``5xx``; ``none`` when no response head went out (client gone first)."""
+    return "none" if status is None else f"{status // 100}xx"
+
+
+_requests = Children(REQUESTS)
+_durations = Children(REQUEST_DURATION)
 
 
 class AccessLogMiddleware:
@@ -61,6 +86,7 @@ class AccessLogMiddleware:
         request_id = ensure_request_id(scope)
         entry = RequestLog(request_id.decode("ascii"), scope["method"], scope["path"])
         scope.setdefault("state", {})[STATE_KEY] = entry
+        context = current_request_id.set(entry.request_id)
         started = time.perf_counter()
 
         async def send_noting_status(message: Message) -> None:
@@ -78,7 +104,17 @@ class AccessLogMiddleware:
         finally:
             elapsed = time.perf_counter() - started
             entry.duration_ms = round(elapsed * 1000, 3)
-            REQUESTS.labels(entry.route, entry.outcome).inc()
-            REQUEST_DURATION.labels(entry.route, entry.outcome).observe(elapsed)
-            if log.isEnabledFor(logging.INFO):
-                log.info("request", extra={"request": asdict(entry)})
+            _requests(entry.route, entry.outcome, status_class(entry.status)).inc()
+            _durations(entry.route, entry.outcome).observe(elapsed)
+            write_access_line(entry)
+            current_request_id.reset(context)
+
+
+def write_access_line(entry: RequestLog) -> None:
+    """``log.info("request", extra={"request": entry})`` without logging's stack walk for
+    the caller's file and line: the access line's origin is always this function."""
+    if log.isEnabledFor(logging.INFO):
+        record = log.makeRecord(
+            log.name, logging.INFO, __file__, 0, "request", (), None, extra={"request": entry}
+        )
+        log.handle(record)
