@@ -21,7 +21,8 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
         │   └── DeadlineExhausted           too little time left to try (504)
         └── UpstreamAmbiguous             sent, but no complete answer came back
             ├── UpstreamTimeout             504
-            └── UpstreamConnectionLost      502
+            ├── UpstreamConnectionLost      502
+            └── UpstreamInvalidResponse     502, a status no client can be given
 """
 
 from __future__ import annotations
@@ -157,6 +158,19 @@ class UpstreamTimeout(UpstreamAmbiguous):
 class UpstreamConnectionLost(UpstreamAmbiguous):
     slug = "upstream-connection-lost"
     title = "Upstream connection lost before a complete answer"
+
+
+class UpstreamInvalidResponse(UpstreamAmbiguous):
+    """The upstream answered, so it may have acted, but with a status that is not a final
+    HTTP answer (outside 200-599): passing it on or storing it would break every replay."""
+
+    slug = "upstream-invalid-response"
+    title = "Upstream answered with an invalid status"
+
+
+def is_final_status(status: object) -> bool:
+    """A status a client can be given as the answer: 1xx are interim, others are not HTTP."""
+    return isinstance(status, int) and 200 <= status <= 599
 
 
 class OutcomeUnknown(UpstreamAmbiguous):
