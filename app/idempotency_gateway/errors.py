@@ -10,9 +10,13 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
     │   ├── MissingIdempotencyKey         400
     │   ├── NoRouteMatched                404
     │   ├── RequestInFlight               409, Retry-After
+    │   ├── RequestTimeout                408, then the connection closes
     │   ├── RequestBodyTooLarge           413
     │   ├── OperationTooLong              414
-    │   └── KeyReusedWithDifferentRequest 422
+    │   ├── KeyReusedWithDifferentRequest 422
+    │   ├── RequestHeadTooLarge           431, then the connection closes
+    │   └── TunnelRefused                 501, CONNECT: the gateway is no tunnel
+    ├── TooManyConnections              the worker's connection cap is reached (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
@@ -81,6 +85,25 @@ class RequestInFlight(RequestRejected):
         self.retry_after = retry_after
 
 
+class RequestTimeout(RequestRejected):
+    status = 408
+    slug = "request-timeout"
+    title = "Request not received in time"
+    retryable = True
+
+
+class RequestHeadTooLarge(RequestRejected):
+    status = 431
+    slug = "request-head-too-large"
+    title = "Request header fields too large"
+
+
+class TunnelRefused(RequestRejected):
+    status = 501
+    slug = "tunnel-refused"
+    title = "CONNECT is not supported"
+
+
 class RequestBodyTooLarge(RequestRejected):
     status = 413
     slug = "request-body-too-large"
@@ -97,6 +120,14 @@ class KeyReusedWithDifferentRequest(RequestRejected):
     status = 422
     slug = "idempotency-key-reused"
     title = "Idempotency-Key reused with a different request"
+
+
+class TooManyConnections(GatewayError):
+    status = 503
+    slug = "too-many-connections"
+    title = "Too many open connections"
+    retryable = True
+    retry_after = 1
 
 
 class StoreUnavailable(GatewayError):
