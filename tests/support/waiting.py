@@ -5,9 +5,29 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, overload
 
 T = TypeVar("T")
+
+
+@overload
+async def eventually(
+    predicate: Callable[[], Awaitable[T]],
+    *,
+    timeout: float = ...,  # noqa: ASYNC109
+    interval: float = ...,
+    message: str | None = ...,
+) -> T: ...
+
+
+@overload
+async def eventually(
+    predicate: Callable[[], T],
+    *,
+    timeout: float = ...,  # noqa: ASYNC109
+    interval: float = ...,
+    message: str | None = ...,
+) -> T: ...
 
 
 async def eventually(
