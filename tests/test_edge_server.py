@@ -50,6 +50,11 @@ class Reply:
         return slug
 
 
+def assert_closing_problem(reply: Reply, status: int, slug: str) -> None:
+    assert (reply.status, reply.problem_slug) == (status, slug)
+    assert reply.headers["connection"] == "close"
+
+
 def parse_reply(data: bytes) -> Reply:
     head, separator, body = data.partition(b"\r\n\r\n")
     assert separator, f"no complete response head in {data[:200]!r}"
@@ -207,8 +212,7 @@ async def test_connect_is_refused_before_anything_is_forwarded(
         reply = parse_reply(
             await exchange(gateway.port, b"CONNECT bank.test:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         )
-    assert (reply.status, reply.problem_slug) == (501, "tunnel-refused")
-    assert reply.headers["connection"] == "close"
+    assert_closing_problem(reply, 501, "tunnel-refused")
     assert upstream.total == 0
 
 
@@ -329,9 +333,7 @@ async def assert_refused(port: int, *writes: bytes, status: int, slug: str) -> N
         raw = await exchange(port, *writes)
     except ConnectionError:
         return
-    reply = parse_reply(raw)
-    assert (reply.status, reply.problem_slug) == (status, slug)
-    assert reply.headers["connection"] == "close"
+    assert_closing_problem(parse_reply(raw), status, slug)
 
 
 async def test_oversized_heads_are_431_and_never_forwarded(
@@ -375,10 +377,8 @@ async def test_slow_heads_and_bodies_are_408_and_execute_nothing(
         retried = parse_reply(await exchange(gateway.port, complete))
 
     for raw in head_replies:
-        reply = parse_reply(raw)
-        assert (reply.status, reply.problem_slug) == (408, "request-timeout")
-        assert reply.headers["connection"] == "close"
-    assert (body_reply.status, body_reply.problem_slug) == (408, "request-timeout")
+        assert_closing_problem(parse_reply(raw), 408, "request-timeout")
+    assert_closing_problem(body_reply, 408, "request-timeout")
     assert nothing_ran == 0
     assert retried.status == 201
     assert upstream.count(key) == 1
@@ -417,6 +417,6 @@ async def test_connections_beyond_the_cap_are_refused_at_once(
         refused = parse_reply(await exchange(gateway.port))
 
     assert served.status == 201
-    assert (refused.status, refused.problem_slug) == (503, "too-many-connections")
+    assert_closing_problem(refused, 503, "too-many-connections")
     assert refused.headers["retry-after"] == "1"
     assert all(e.path != "/refused" for e in upstream.executions)
