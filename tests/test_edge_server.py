@@ -205,14 +205,16 @@ async def test_an_upgrade_offer_keeps_its_body_and_nothing_after_it_is_read(
     assert all(e.path != "/smuggled" for e in upstream.executions)
 
 
-async def test_connect_is_refused_before_anything_is_forwarded(
+async def test_tunnels_and_non_http_bytes_are_refused_before_anything_is_forwarded(
     tmp_path: Path, postgres_url: str, upstream: RecordingUpstream
 ) -> None:
+    connect = b"CONNECT bank.test:443 HTTP/1.1\r\nHost: x\r\n\r\n"
+    garbage = b"POST /v1/charges HTTP/1.1\r\nHost: x\r\nBad Field: 1\r\n\r\n"
     async with edge_gateway(tmp_path, postgres_url, upstream.url) as gateway:
-        reply = parse_reply(
-            await exchange(gateway.port, b"CONNECT bank.test:443 HTTP/1.1\r\nHost: x\r\n\r\n")
-        )
-    assert_closing_problem(reply, 501, "tunnel-refused")
+        tunnel = parse_reply(await exchange(gateway.port, connect))
+        malformed = parse_reply(await exchange(gateway.port, garbage))
+    assert_closing_problem(tunnel, 501, "tunnel-refused")
+    assert_closing_problem(malformed, 400, "malformed-request")
     assert upstream.total == 0
 
 

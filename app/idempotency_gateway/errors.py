@@ -6,6 +6,7 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
 
     GatewayError
     ├── RequestRejected                 the request itself is wrong (4xx)
+    │   ├── MalformedRequest              400, not HTTP/1.1; the connection closes
     │   ├── InvalidIdempotencyKey         400
     │   ├── MissingIdempotencyKey         400
     │   ├── NoRouteMatched                404
@@ -56,6 +57,11 @@ class RequestRejected(GatewayError):
     status = 400
     slug = "bad-request"
     title = "Bad request"
+
+
+class MalformedRequest(RequestRejected):
+    slug = "malformed-request"
+    title = "Not a valid HTTP request"
 
 
 class InvalidIdempotencyKey(RequestRejected):

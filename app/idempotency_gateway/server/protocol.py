@@ -27,6 +27,7 @@ from uvicorn.server import ServerState
 from idempotency_gateway.config import LimitsConfig
 from idempotency_gateway.errors import (
     GatewayError,
+    MalformedRequest,
     RequestHeadTooLarge,
     RequestTimeout,
     TooManyConnections,
@@ -70,8 +71,7 @@ class EdgeProtocol(HttpToolsProtocol):
         # unknown: that chunk's head bytes are counted from the callbacks instead.
         self._message_ended_in_chunk = False
         self._upgrade_offered = False
-        # After an answer of the server's own, or a request that offered an upgrade, nothing
-        # more is read from the connection.
+        # After an answer of the server's own nothing more is read from the connection.
         self._done_reading = False
 
     # ------------------------------------------------------------------ connection
@@ -105,21 +105,14 @@ class EdgeProtocol(HttpToolsProtocol):
         except httptools.HttpParserUpgrade as upgrade:
             self._reread_without_upgrade(data[upgrade.args[0] :])
             return
-        except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, GatewayError):
-                self._refuse(exc.__context__)
-                return
-            self._invalid_request()
-            return
-        except httptools.HttpParserError:
-            self._invalid_request()
+        except httptools.HttpParserError as exc:
+            refusal = exc.__context__
+            if not isinstance(refusal, GatewayError):
+                refusal = MalformedRequest(f"the request is not valid HTTP/1.1 ({exc})")
+            self._refuse(refusal)
             return
         if self._raw_head_bytes is not None and self._raw_head_bytes > self.limits.max_request_head:
             self._refuse(self._head_too_large())
-
-    def _invalid_request(self) -> None:
-        self.logger.warning("Invalid HTTP request received.")
-        self.send_400_response("Invalid HTTP request received.")
 
     # ------------------------------------------------------------ parser callbacks
 
