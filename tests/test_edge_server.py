@@ -374,6 +374,11 @@ async def test_slow_heads_and_bodies_are_408_and_execute_nothing(
         ]
         head_replies = await asyncio.gather(*silent, *trickled)
         body_reply = parse_reply(await exchange(gateway.port, stalled_body))
+        # Answered early (413 from Content-Length), then stalled: the connection closes at the
+        # body deadline with no second answer the client would take for its next request's.
+        early = await exchange(
+            gateway.port, b"POST / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\nab"
+        )
         nothing_ran = upstream.total
         # The key stayed unused: the same request sent whole executes once.
         retried = parse_reply(await exchange(gateway.port, complete))
@@ -381,6 +386,8 @@ async def test_slow_heads_and_bodies_are_408_and_execute_nothing(
     for raw in head_replies:
         assert_closing_problem(parse_reply(raw), 408, "request-timeout")
     assert_closing_problem(body_reply, 408, "request-timeout")
+    assert parse_reply(early).status == 413
+    assert early.count(b"HTTP/1.1 ") == 1
     assert nothing_ran == 0
     assert retried.status == 201
     assert upstream.count(key) == 1

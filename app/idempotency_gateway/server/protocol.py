@@ -138,11 +138,11 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._raw_head_bytes = None
         self._cancel_deadline()
+        if self.parser.should_upgrade() and self.parser.get_method() == b"CONNECT":
+            raise TunnelRefused("the gateway forwards requests; it does not open tunnels")
+        self._raw_head_bytes = None
         if self.parser.should_upgrade():
-            if self.parser.get_method() == b"CONNECT":
-                raise TunnelRefused("the gateway forwards requests; it does not open tunnels")
             # The parser skips the body of an upgrade request: the app starts once the head
             # is re-read without the offer (see _reread_without_upgrade).
             self._upgrade_offered = True
@@ -210,17 +210,28 @@ class EdgeProtocol(HttpToolsProtocol):
             )
         )
 
+    def _answer_would_be_understood(self) -> bool:
+        """Whether the client would read an answer written now as the answer to the request
+        being refused: never in the middle of, or ahead of, the app's answer to another."""
+        cycle = self.cycle
+        if cycle is None:
+            return True
+        if self._raw_head_bytes is not None:
+            # A new head: ``cycle`` is the previous request, whose answer must be whole.
+            return cycle.response_complete
+        # A body: ``cycle`` is this request, which must not have been answered yet.
+        return not cycle.response_started
+
     def _refuse(self, error: GatewayError) -> None:
-        """Answer with ``error`` and close, unless an answer of the app's is under way (it
-        must not be interleaved with ours): then the connection just closes."""
+        """Answer with ``error`` where the client can tell what it answers, and close."""
         self.logger.info("closing a connection: %s", error.detail)
         self._done_reading = True
         self._cancel_deadline()
         if self.transport.is_closing():
             return
-        cycle = self.cycle
-        if cycle is None or cycle.response_complete or not cycle.response_started:
+        if self._answer_would_be_understood():
             self.transport.write(closing_problem(error))
+        cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             # As for a client that went away: an app still waiting for the body gets a
             # disconnect (nothing executes), and nothing it sends is written any more.
