@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 
 from idempotency_gateway.asgi import Receive, Scope, Send
-from idempotency_gateway.config import IdempotencyConfig
+from idempotency_gateway.config import (
+    ConfigError,
+    IdempotencyConfig,
+    LimitsConfig,
+    dump_config,
+    load_config,
+)
 from idempotency_gateway.idempotency import IdempotencyMiddleware
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
@@ -326,6 +332,25 @@ async def test_a_library_app_answering_an_invalid_status_stores_a_502_problem(
 
 
 # ------------------------------------------------------------------ slow and oversized heads
+
+
+def test_limits_have_safe_defaults_load_back_and_refuse_zero_deadlines(tmp_path: Path) -> None:
+    defaults = LimitsConfig()
+    assert (
+        defaults.max_request_head,
+        defaults.max_header_fields,
+        defaults.request_head_timeout,
+        defaults.request_body_timeout,
+        defaults.max_connections,
+    ) == (32 * 1024, 100, 10.0, 60.0, 1000)
+    tight = gateway_config("http://127.0.0.1:9", limits=TIGHT_LIMITS)
+    path = tmp_path / "printed.yaml"
+    path.write_text(dump_config(tight), encoding="utf-8")
+    assert load_config(path) == tight
+    with pytest.raises(ConfigError, match="limits"):
+        gateway_config("http://127.0.0.1:9", limits={"request_body_timeout": "0s"})
+    with pytest.raises(ConfigError, match=r"limits\.max_request_head"):
+        gateway_config("http://127.0.0.1:9", limits={"max_request_head": "100B"})
 
 
 async def assert_refused(port: int, *writes: bytes, status: int, slug: str) -> None:
