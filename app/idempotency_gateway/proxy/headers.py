@@ -22,7 +22,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 VIA_PSEUDONYM = b"idempotency-gateway"
-# Written by the gateway (or by the client library for the upstream connection), never
+# Written by the gateway (or by aiohttp for the upstream connection), never
 # copied over from the client: a client must neither forge nor remove them.
 _GATEWAY_WRITTEN = frozenset(
     {
