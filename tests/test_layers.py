@@ -24,7 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"problems", "request_id", "execution"}),
     frozenset({"target"}),
     frozenset({"routing"}),
-    frozenset({"telemetry"}),
+    frozenset({"telemetry", "server"}),
     frozenset({"resilience"}),
     frozenset({"idempotency", "proxy"}),
     frozenset({"migrate"}),

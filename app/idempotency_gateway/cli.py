@@ -132,6 +132,7 @@ def _run_server(args: argparse.Namespace, settings: EnvSettings, config: Gateway
         workers=args.workers,
         log_level=args.log_level,
         log_format=args.log_format,
+        limits=config.limits,
     )
     return 0
 

@@ -275,7 +275,26 @@ class ScopeConfig(_Model):
 
 
 class LimitsConfig(_Model):
+    """What one client may cost a worker. The head and connection limits are enforced by the
+    HTTP server itself (``idempotency_gateway.server``), before any request reaches the app."""
+
     max_request_body: ByteSize = 10 * 1024 * 1024
+    # The request line plus every header field, as sent.
+    max_request_head: ByteSize = Field(32 * 1024, ge=1024)
+    max_header_fields: int = Field(100, ge=1, le=10_000)
+    # From the connection's first byte (or its opening) until the head is complete.
+    request_head_timeout: Duration = 10.0
+    # From the end of the head until the last byte of the body.
+    request_body_timeout: Duration = 60.0
+    # Per worker process, both listeners together; beyond it a connection gets a 503 problem
+    # and is closed at once.
+    max_connections: int = Field(1000, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _positive_timeouts(self) -> LimitsConfig:
+        if min(self.request_head_timeout, self.request_body_timeout) <= 0:
+            raise ValueError("request_head_timeout and request_body_timeout must be above zero")
+        return self
 
 
 class CacheConfig(_Model):

@@ -6,15 +6,20 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
 
     GatewayError
     ├── RequestRejected                 the request itself is wrong (4xx)
+    │   ├── MalformedRequest              400, not HTTP/1.1; the connection closes
     │   ├── InvalidIdempotencyKey         400
     │   ├── MissingIdempotencyKey         400
     │   ├── InvalidRequestTarget          400
     │   ├── CredentialRequired            401
     │   ├── NoRouteMatched                404
     │   ├── RequestInFlight               409, Retry-After
+    │   ├── RequestTimeout                408, then the connection closes
     │   ├── RequestBodyTooLarge           413
     │   ├── OperationTooLong              414
-    │   └── KeyReusedWithDifferentRequest 422
+    │   ├── KeyReusedWithDifferentRequest 422
+    │   ├── RequestHeadTooLarge           431, then the connection closes
+    │   └── TunnelRefused                 501, CONNECT: the gateway is no tunnel
+    ├── TooManyConnections              the worker's connection cap is reached (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
@@ -23,7 +28,8 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
         │   └── DeadlineExhausted           too little time left to try (504)
         └── UpstreamAmbiguous             sent, but no complete answer came back
             ├── UpstreamTimeout             504
-            └── UpstreamConnectionLost      502
+            ├── UpstreamConnectionLost      502
+            └── UpstreamInvalidResponse     502, a status no client can be given
 """
 
 from __future__ import annotations
@@ -53,6 +59,11 @@ class RequestRejected(GatewayError):
     status = 400
     slug = "bad-request"
     title = "Bad request"
+
+
+class MalformedRequest(RequestRejected):
+    slug = "malformed-request"
+    title = "Not a valid HTTP request"
 
 
 class InvalidIdempotencyKey(RequestRejected):
@@ -96,6 +107,25 @@ class RequestInFlight(RequestRejected):
         self.retry_after = retry_after
 
 
+class RequestTimeout(RequestRejected):
+    status = 408
+    slug = "request-timeout"
+    title = "Request not received in time"
+    retryable = True
+
+
+class RequestHeadTooLarge(RequestRejected):
+    status = 431
+    slug = "request-head-too-large"
+    title = "Request header fields too large"
+
+
+class TunnelRefused(RequestRejected):
+    status = 501
+    slug = "tunnel-refused"
+    title = "CONNECT is not supported"
+
+
 class RequestBodyTooLarge(RequestRejected):
     status = 413
     slug = "request-body-too-large"
@@ -112,6 +142,14 @@ class KeyReusedWithDifferentRequest(RequestRejected):
     status = 422
     slug = "idempotency-key-reused"
     title = "Idempotency-Key reused with a different request"
+
+
+class TooManyConnections(GatewayError):
+    status = 503
+    slug = "too-many-connections"
+    title = "Too many open connections"
+    retryable = True
+    retry_after = 1
 
 
 class StoreUnavailable(GatewayError):
@@ -173,6 +211,19 @@ class UpstreamTimeout(UpstreamAmbiguous):
 class UpstreamConnectionLost(UpstreamAmbiguous):
     slug = "upstream-connection-lost"
     title = "Upstream connection lost before a complete answer"
+
+
+class UpstreamInvalidResponse(UpstreamAmbiguous):
+    """The upstream answered, so it may have acted, but with a status that is not a final
+    HTTP answer (outside 200-599): passing it on or storing it would break every replay."""
+
+    slug = "upstream-invalid-response"
+    title = "Upstream answered with an invalid status"
+
+
+def is_final_status(status: object) -> bool:
+    """A status a client can be given as the answer: 1xx are interim, others are not HTTP."""
+    return isinstance(status, int) and 200 <= status <= 599
 
 
 class OutcomeUnknown(UpstreamAmbiguous):

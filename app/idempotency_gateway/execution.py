@@ -16,6 +16,9 @@ from enum import Enum, auto
 from idempotency_gateway.asgi import Scope
 
 STATE_KEY = "idempotency"
+# The execution's fencing token goes upstream under this name, so the upstream can refuse a
+# stale owner's write too.
+FENCING_TOKEN_HEADER = b"idempotency-fencing-token"
 
 
 class Outcome(Enum):

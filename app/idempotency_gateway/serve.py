@@ -12,6 +12,8 @@ import socket
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
+from idempotency_gateway.config import LimitsConfig
+from idempotency_gateway.server.protocol import EdgeServerConfig
 from idempotency_gateway.telemetry.logs import LogFormat, uvicorn_log_config
 from idempotency_gateway.telemetry.multiprocess import forget_dead_workers
 
@@ -37,15 +39,19 @@ def serve(
     workers: int,
     log_level: str,
     log_format: LogFormat,
+    limits: LimitsConfig,
 ) -> None:
-    config = uvicorn.Config(
+    config = EdgeServerConfig(
         GATEWAY_FACTORY,
+        limits=limits,
         factory=True,
         host=host,
         port=port,
         workers=workers,
         loop="uvloop",
-        http="httptools",
+        # The proxy answers WebSocket scopes with a close; an Upgrade offer is ignored by
+        # the edge protocol instead (it keeps the request body).
+        ws="none",
         lifespan="on",
         log_level=log_level,
         log_config=uvicorn_log_config(log_level, log_format),

@@ -45,6 +45,7 @@ DOCUMENTED_5XX = {
     "circuit-open": 503,
     "upstream-unreachable": 502,
     "upstream-connection-lost": 502,
+    "upstream-invalid-response": 502,
     "deadline-exhausted": 504,
     "upstream-timeout": 504,
     "outcome-unknown": 504,

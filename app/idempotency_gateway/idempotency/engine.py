@@ -23,7 +23,7 @@ from idempotency_gateway.errors import (
     RequestInFlight,
     StoreUnavailable,
 )
-from idempotency_gateway.execution import STATE_KEY, Execution, Outcome
+from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
 from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache
 from idempotency_gateway.idempotency.machine import Action, classify, decide
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
@@ -48,7 +48,6 @@ from idempotency_gateway.telemetry.request_log import (
 
 log = logging.getLogger(__name__)
 
-FENCING_TOKEN_HEADER = b"idempotency-fencing-token"
 # Tells a client how soon to retry a duplicate that is still in flight: short, because most
 # executions finish in well under a second and the retry then gets the replay.
 IN_FLIGHT_RETRY_AFTER = 1

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 
 from idempotency_gateway.asgi import Headers, Message, Send
-from idempotency_gateway.errors import GatewayError
+from idempotency_gateway.errors import GatewayError, UpstreamInvalidResponse, is_final_status
 from idempotency_gateway.idempotency.record import StoredResponse
 from idempotency_gateway.problems import problem_body, problem_headers
 
@@ -54,12 +54,19 @@ class ResponseCapture:
         self._held: list[Message] = []
         self._declared_length: int | None = None
         self._body_seen = 0
+        # The app's answer was replaced by a problem: the rest of what it sends is dropped.
+        self._replaced = False
 
     @property
     def started(self) -> bool:
         return self.status is not None
 
     async def send(self, message: Message) -> None:
+        if self._replaced:
+            return
+        if message["type"] == "http.response.start" and not is_final_status(message["status"]):
+            await self._replace_invalid(message["status"])
+            return
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", []))
@@ -80,6 +87,18 @@ class ResponseCapture:
                 self._held.append(message)
                 return
         await self._forward(message)
+
+    async def _replace_invalid(self, status: object) -> None:
+        """A status no client can be given (the server would write a broken head, and every
+        replay would break again): the answer becomes a 502 problem, stored as such."""
+        error = UpstreamInvalidResponse(
+            f"the application answered with status {status!r}, which is not a final HTTP "
+            "status; the request may or may not have been processed"
+        )
+        log.error("replacing an invalid response status: %s", error.detail)
+        problem = stored_problem(error, request_id=None)
+        await send_stored(self.send, problem, replayed=False)
+        self._replaced = True
 
     async def release(self) -> None:
         """Send the held-back end of the response (call once the record is final)."""

@@ -118,6 +118,7 @@ class ProxyApp:
                 url=url,
                 headers=upstream_request_headers(
                     scope,
+                    key_header=self.config.idempotency_header.lower().encode("ascii"),
                     trusted_proxies=self.config.trusted_proxies,
                     timeout_seconds=head_within,
                 ),

@@ -19,8 +19,10 @@ from idempotency_gateway.config import UpstreamConfig
 from idempotency_gateway.errors import (
     UpstreamConnectionLost,
     UpstreamError,
+    UpstreamInvalidResponse,
     UpstreamNotSent,
     UpstreamTimeout,
+    is_final_status,
 )
 
 _CHUNK = 64 * 1024
@@ -124,4 +126,10 @@ class UpstreamClient:
                 )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise translate_error(exc, self.name) from exc
+        if not is_final_status(response.status):
+            response.release()
+            raise UpstreamInvalidResponse(
+                f"upstream {self.name!r} answered with status {response.status}, which is "
+                "not a final HTTP status; the request may or may not have been processed"
+            )
         return UpstreamResponse(response, self.name)

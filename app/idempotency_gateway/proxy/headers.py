@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from ipaddress import IPv4Network, IPv6Network, ip_address
 
-from idempotency_gateway.asgi import Headers, Scope, first_header
+from idempotency_gateway.asgi import Headers, Scope, first_header, header_values
+from idempotency_gateway.execution import FENCING_TOKEN_HEADER, execution_of
+from idempotency_gateway.request_id import REQUEST_ID_HEADER
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset(
@@ -19,9 +21,21 @@ HOP_BY_HOP = frozenset(
     }
 )
 VIA_PSEUDONYM = b"idempotency-gateway"
-# Set by the client library or recomputed for the upstream connection, never copied over.
-_REWRITTEN = frozenset({b"host", b"content-length", b"x-forwarded-for", b"x-forwarded-proto"})
-_REWRITTEN |= {b"x-forwarded-host", b"x-request-timeout"}
+# Written by the gateway (or by aiohttp for the upstream connection), never
+# copied over from the client: a client must neither forge nor remove them.
+_GATEWAY_WRITTEN = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"via",
+        b"x-forwarded-for",
+        b"x-forwarded-proto",
+        b"x-forwarded-host",
+        b"x-request-timeout",
+        b"x-request-id",
+        FENCING_TOKEN_HEADER,
+    }
+)
 
 TrustedProxies = tuple[IPv4Network | IPv6Network, ...]
 
@@ -41,14 +55,15 @@ def end_to_end(headers: Headers) -> Headers:
     return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
-def _with_via(headers: Headers, http_version: str) -> Headers:
+def _via_value(existing: bytes | None, http_version: str) -> bytes:
     via = http_version.encode() + b" " + VIA_PSEUDONYM
+    return via if existing is None else existing + b", " + via
+
+
+def _with_via(headers: Headers, http_version: str) -> Headers:
     existing = first_header(headers, b"via")
-    if existing is None:
-        return [*headers, (b"via", via)]
-    return [(name, value) for name, value in headers if name != b"via"] + [
-        (b"via", existing + b", " + via)
-    ]
+    kept = [(name, value) for name, value in headers if name != b"via"]
+    return [*kept, (b"via", _via_value(existing, http_version))]
 
 
 def _is_trusted(client_host: str | None, trusted: TrustedProxies) -> bool:
@@ -61,16 +76,39 @@ def _is_trusted(client_host: str | None, trusted: TrustedProxies) -> bool:
     return any(address in network for network in trusted)
 
 
+def _gateway_fields(scope: Scope, key_header: bytes) -> Headers:
+    """The idempotency key of record, its fencing token and the request id: what the upstream
+    dedupes and correlates on, so no ``Connection`` option of the client's may remove them."""
+    incoming: Headers = scope["headers"]
+    fields = [(key_header, value) for value in header_values(incoming, key_header)]
+    execution = execution_of(scope)
+    if execution is not None:
+        fields.append((FENCING_TOKEN_HEADER, str(execution.fencing_token).encode()))
+    request_id = first_header(incoming, REQUEST_ID_HEADER)
+    if request_id is not None:
+        fields.append((REQUEST_ID_HEADER, request_id))
+    return fields
+
+
 def upstream_request_headers(
-    scope: Scope, *, trusted_proxies: TrustedProxies, timeout_seconds: float
+    scope: Scope, *, key_header: bytes, trusted_proxies: TrustedProxies, timeout_seconds: float
 ) -> list[tuple[str, str]]:
-    """The fields sent upstream: end-to-end ones, ``Via``, ``X-Forwarded-*`` and the budget."""
+    """The fields sent upstream: the client's end-to-end ones, then the gateway's own (key,
+    fencing token, request id, ``Via``, ``X-Forwarded-*``, the budget).
+
+    ``key_header`` is the lower-case name of the idempotency key field. Hop-by-hop removal
+    applies to the client's fields only, before the gateway adds its own."""
     incoming: Headers = scope["headers"]
     client = scope.get("client")
     client_host = client[0] if client else None
     trusted = _is_trusted(client_host, trusted_proxies)
-    forwarded = [(name, value) for name, value in end_to_end(incoming) if name not in _REWRITTEN]
-    forwarded = _with_via(forwarded, scope.get("http_version", "1.1"))
+    gateway_written = _GATEWAY_WRITTEN | {key_header}
+    forwarded = [
+        (name, value) for name, value in end_to_end(incoming) if name not in gateway_written
+    ]
+    forwarded.extend(_gateway_fields(scope, key_header))
+    http_version = scope.get("http_version", "1.1")
+    forwarded.append((b"via", _via_value(first_header(incoming, b"via"), http_version)))
 
     # Incoming X-Forwarded-* are believed only from proxies we were told to trust: anyone
     # else could claim any address.

@@ -1,0 +1,240 @@
+"""``EdgeProtocol``: uvicorn's httptools protocol, bounded against slow and oversized clients.
+
+- The request head (request line and fields) is capped in bytes and in field count: 431.
+- The head must arrive within ``request_head_timeout`` of the connection opening (or of the
+  first byte of a later request on it), the body within ``request_body_timeout`` of the
+  head's end: 408. Both answers close the connection.
+- Beyond ``max_connections`` per worker a new connection gets a 503 problem and is closed.
+- An ``Upgrade`` offer is ignored (RFC 9110 section 7.8 lets a server do so): llhttp stops
+  at the head of such a request and hands everything after it back as "the new protocol",
+  so the head is re-read without the offer and the body is framed as for any request. The
+  connection closes after that answer, so nothing the client sends next is read as HTTP.
+- HTTP/1.0 clients never get chunked coding: an answer without Content-Length is
+  delimited by closing the connection (RFC 9112 section 6.1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httptools
+import uvicorn
+from uvicorn._types import ASGI3Application
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import ServerState
+
+from idempotency_gateway.config import LimitsConfig
+from idempotency_gateway.errors import (
+    GatewayError,
+    MalformedRequest,
+    RequestHeadTooLarge,
+    RequestTimeout,
+    TooManyConnections,
+    TunnelRefused,
+)
+from idempotency_gateway.server.http10 import close_delimited
+from idempotency_gateway.server.raw import closing_problem, head_without_upgrade
+
+# Per field: the ": " between name and value and the CRLF that ends the line.
+_FIELD_OVERHEAD = 4
+
+
+class EdgeServerConfig(uvicorn.Config):
+    """uvicorn's config plus the gateway's limits (a module-level class, so ``--workers``
+    can hand it to worker processes)."""
+
+    def __init__(self, app: Any, *, limits: LimitsConfig, **options: Any) -> None:
+        super().__init__(app, http=EdgeProtocol, **options)
+        self.limits = limits
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.limits = config.limits if isinstance(config, EdgeServerConfig) else LimitsConfig()
+        self._deadline: asyncio.TimerHandle | None = None
+        # Bytes of the complete fields of the head being parsed: exact, whatever the chunking.
+        self._field_bytes = 0
+        self._field_count = 0
+        # Bytes received for the head being parsed, whole chunks counted: bounds a field still
+        # accumulating inside the parser, which no callback reports until it ends.
+        self._raw_head_bytes: int | None = None
+        self._chunk_size = 0
+        # A message ended inside the current chunk, so where the next head began in it is
+        # unknown: that chunk's head bytes are counted from the callbacks instead.
+        self._message_ended_in_chunk = False
+        self._upgrade_offered = False
+        # After an answer of the server's own nothing more is read from the connection.
+        self._done_reading = False
+
+    # ------------------------------------------------------------------ connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(
+                TooManyConnections(
+                    f"this gateway process already holds {self.limits.max_connections} "
+                    "connections; try again shortly"
+                )
+            )
+            return
+        self._start_deadline(self.limits.request_head_timeout, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._done_reading:
+            return
+        self._unset_keepalive_if_required()
+        self._chunk_size = len(data)
+        self._message_ended_in_chunk = False
+        if self._raw_head_bytes is not None:
+            self._raw_head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            self._reread_without_upgrade(data[upgrade.args[0] :])
+            return
+        except httptools.HttpParserError as exc:
+            refusal = exc.__context__
+            if not isinstance(refusal, GatewayError):
+                refusal = MalformedRequest(f"the request is not valid HTTP/1.1 ({exc})")
+            self._refuse(refusal)
+            return
+        if self._raw_head_bytes is not None and self._raw_head_bytes > self.limits.max_request_head:
+            self._refuse(self._head_too_large())
+
+    # ------------------------------------------------------------ parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._field_bytes = 0
+        self._field_count = 0
+        self._raw_head_bytes = 0 if self._message_ended_in_chunk else self._chunk_size
+        if self._deadline is None:
+            self._start_deadline(self.limits.request_head_timeout, self._head_timed_out)
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._count_head_bytes(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._field_count += 1
+        if self._field_count > self.limits.max_header_fields:
+            raise RequestHeadTooLarge(
+                f"the request has more than {self.limits.max_header_fields} header fields"
+            )
+        self._count_head_bytes(len(name) + len(value) + _FIELD_OVERHEAD)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_deadline()
+        if self.parser.should_upgrade() and self.parser.get_method() == b"CONNECT":
+            raise TunnelRefused("the gateway forwards requests; it does not open tunnels")
+        self._raw_head_bytes = None
+        if self.parser.should_upgrade():
+            # The parser skips the body of an upgrade request: the app starts once the head
+            # is re-read without the offer (see _reread_without_upgrade).
+            self._upgrade_offered = True
+            return
+        super().on_headers_complete()
+        self._start_deadline(self.limits.request_body_timeout, self._body_timed_out)
+
+    def on_message_complete(self) -> None:
+        self._message_ended_in_chunk = True
+        if self._upgrade_offered:
+            return
+        self._cancel_deadline()
+        super().on_message_complete()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        if cycle.scope["http_version"] == "1.0":
+            app = close_delimited(app, cycle)
+        super()._start_asgi_task(cycle, app)
+
+    # ------------------------------------------------------------------- limits
+
+    def _count_head_bytes(self, size: int) -> None:
+        self._field_bytes += size
+        if self._message_ended_in_chunk and self._raw_head_bytes is not None:
+            self._raw_head_bytes += size
+        if self._field_bytes > self.limits.max_request_head:
+            raise self._head_too_large()
+
+    def _head_too_large(self) -> RequestHeadTooLarge:
+        return RequestHeadTooLarge(
+            f"the request head is larger than {self.limits.max_request_head} bytes"
+        )
+
+    def _reread_without_upgrade(self, rest: bytes) -> None:
+        head = head_without_upgrade(
+            self.parser.get_method(), self.url, self.parser.get_http_version(), self.headers
+        )
+        self._upgrade_offered = False
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.data_received(head + rest)
+
+    def _start_deadline(self, seconds: float, on_expiry: Any) -> None:
+        self._cancel_deadline()
+        self._deadline = self.loop.call_later(seconds, on_expiry)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._deadline = None
+        self._refuse(
+            RequestTimeout(
+                f"the request head did not arrive within {self.limits.request_head_timeout:g}s"
+            )
+        )
+
+    def _body_timed_out(self) -> None:
+        self._deadline = None
+        self._refuse(
+            RequestTimeout(
+                f"the request body did not arrive within {self.limits.request_body_timeout:g}s"
+            )
+        )
+
+    def _answer_would_be_understood(self) -> bool:
+        """Whether the client would read an answer written now as the answer to the request
+        being refused: never in the middle of, or ahead of, the app's answer to another."""
+        cycle = self.cycle
+        if cycle is None:
+            return True
+        if self._raw_head_bytes is not None:
+            # A new head: ``cycle`` is the previous request, whose answer must be whole.
+            return cycle.response_complete
+        # A body: ``cycle`` is this request, which must not have been answered yet.
+        return not cycle.response_started
+
+    def _refuse(self, error: GatewayError) -> None:
+        """Answer with ``error`` where the client can tell what it answers, and close."""
+        self.logger.info("closing a connection: %s", error.detail)
+        self._done_reading = True
+        self._cancel_deadline()
+        if self.transport.is_closing():
+            return
+        if self._answer_would_be_understood():
+            self.transport.write(closing_problem(error))
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # As for a client that went away: an app still waiting for the body gets a
+            # disconnect (nothing executes), and nothing it sends is written any more.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
