@@ -61,4 +61,4 @@ async def send_keyed(
 
 
 def is_replay(response: httpx.Response) -> bool:
-    return response.headers.get(REPLAYED) == "true"
+    return bool(response.headers.get(REPLAYED) == "true")
