@@ -5,7 +5,7 @@ Two real gateway processes on the test PostgreSQL database and a private three-n
 by gateway B from the cache, for keys on every node; a ``Prefer: wait`` duplicate on B is
 woken by A's finalize through the sharded channel on each node; and a node killed with
 SIGKILL under load, then restarted, costs no client an error or a second execution while
-``/readyz`` names it, then says ``ok`` again.
+``/readyz`` names it and the live nodes keep replaying their entries, then says ``ok`` again.
 """
 
 from __future__ import annotations
@@ -114,6 +114,10 @@ async def gateways(
         finally:
             for process in processes:
                 print(f"--- gateway {process.name} log tail ---\n{process.log_tail()}")
+
+
+async def cache_hits(gateways: tuple[Member, Member]) -> float:
+    return sum([await gateway.cache_hits() for gateway in gateways])
 
 
 def node_of(inspector: RedisCluster, key: str) -> str:
@@ -291,7 +295,14 @@ async def test_a_node_killed_and_restarted_under_load_costs_no_error_and_no_seco
             )
 
         await eventually(victim_named, timeout=20.0, message="readyz names the dead node")
-        await load.rounds_pass(LOAD_WORKERS)  # served with the node down
+        hits_when_named = await cache_hits(gateways)
+
+        async def live_nodes_still_replay() -> bool:
+            return await cache_hits(gateways) > hits_when_named
+
+        # Served with the node down; the live nodes' entries are still replayed from them.
+        await load.rounds_pass(LOAD_WORKERS)
+        await eventually(live_nodes_still_replay, timeout=20.0, message="hits on live nodes")
 
         await victim.start()
         await cluster.wait_healthy()
