@@ -127,19 +127,27 @@ def node_of(inspector: RedisCluster, key: str) -> str:
     return str(node.name)
 
 
-def keys_on_every_node(
-    inspector: RedisCluster, cluster: RedisClusterNodes, unique: Callable[[str], str], per_node: int
-) -> dict[str, list[str]]:
-    """``per_node`` fresh keys owned by each primary, by ``host:port``."""
-    chosen: dict[str, list[str]] = {node.address: [] for node in cluster.nodes}
-    for index in itertools.count():
-        key = unique(f"spread-{index}")
-        owned = chosen[node_of(inspector, key)]
-        if len(owned) < per_node:
-            owned.append(key)
-        if all(len(keys) == per_node for keys in chosen.values()):
-            return chosen
-    raise AssertionError("unreachable: itertools.count never ends")
+KeysByNode = Callable[[int], dict[str, list[str]]]
+
+
+@pytest.fixture
+def keys_by_node(
+    inspector: RedisCluster, cluster: RedisClusterNodes, unique: Callable[[str], str]
+) -> KeysByNode:
+    """``keys_by_node(n)``: ``n`` fresh keys owned by each primary, by ``host:port``."""
+
+    def choose(per_node: int) -> dict[str, list[str]]:
+        chosen: dict[str, list[str]] = {node.address: [] for node in cluster.nodes}
+        for index in itertools.count():
+            key = unique(f"spread-{index}")
+            owned = chosen[node_of(inspector, key)]
+            if len(owned) < per_node:
+                owned.append(key)
+            if all(len(keys) == per_node for keys in chosen.values()):
+                return chosen
+        raise AssertionError("unreachable: itertools.count never ends")
+
+    return choose
 
 
 def assert_replay_of(replay: httpx.Response, original: httpx.Response) -> None:
@@ -150,17 +158,12 @@ def assert_replay_of(replay: httpx.Response, original: httpx.Response) -> None:
 
 async def test_an_answer_executed_through_a_is_replayed_by_b_from_every_cluster_node(
     gateways: tuple[Member, Member],
-    cluster: RedisClusterNodes,
+    keys_by_node: KeysByNode,
     inspector: RedisCluster,
     upstream: RecordingUpstream,
-    unique: Callable[[str], str],
 ) -> None:
     gateway_a, gateway_b = gateways
-    keys = [
-        key
-        for owned in keys_on_every_node(inspector, cluster, unique, KEYS_PER_NODE).values()
-        for key in owned
-    ]
+    keys = [key for owned in keys_by_node(KEYS_PER_NODE).values() for key in owned]
     originals = {key: await send_keyed(gateway_a.client, key) for key in keys}
 
     async def every_entry_stored() -> bool:
@@ -179,14 +182,12 @@ async def test_an_answer_executed_through_a_is_replayed_by_b_from_every_cluster_
 
 async def test_a_waiter_on_b_is_woken_by_a_through_each_nodes_sharded_channel(
     gateways: tuple[Member, Member],
-    cluster: RedisClusterNodes,
+    keys_by_node: KeysByNode,
     inspector: RedisCluster,
     upstream: RecordingUpstream,
-    unique: Callable[[str], str],
 ) -> None:
     gateway_a, gateway_b = gateways
-    spread = keys_on_every_node(inspector, cluster, unique, 1)
-    keys = {owned[0]: node for node, owned in spread.items()}
+    keys = {owned[0]: node for node, owned in keys_by_node(1).items()}
     owners = {
         key: asyncio.create_task(send_keyed(gateway_a.client, key, behavior=f"gate={key}"))
         for key in keys
