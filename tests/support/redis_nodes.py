@@ -58,6 +58,9 @@ class RedisNode(StartedInContext):
             options += ["--cluster-enabled", "yes", "--dir", str(self.cluster_dir)]
             options += ["--cluster-config-file", f"nodes-{self.port}.conf"]
             options += ["--cluster-node-timeout", "1000"]
+            # As the README advises for a cluster without replicas: the live primaries keep
+            # serving their slots when one dies (the default stops the whole cluster).
+            options += ["--cluster-require-full-coverage", "no"]
             # Its own bus port: the default (port + 10000) overflows for ephemeral ports.
             options += ["--cluster-port", str(self.bus_port)]
             options += ["--logfile", str(self.cluster_dir / f"redis-{self.port}.log")]

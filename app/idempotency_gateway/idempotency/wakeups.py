@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 _KEEPALIVE_CHANNEL = WAKEUP_CHANNEL_PREFIX + "keepalive"
 _RECONNECT_PAUSE = 1.0
 # A cluster subscriber reads each node's connection in turn, waiting this long on each.
+# (It reads nothing at all while nothing is subscribed: see ``_listen_sharded``.)
 _SHARD_POLL = 0.05
 channel_for = wakeup_channel
 
@@ -116,6 +117,9 @@ class RedisWakeups(LocalWakeups):
         )
         self._pubsub: PubSub | None = None
         self._listener: asyncio.Task[None] | None = None
+        # Set when a channel is subscribed: a cluster listener with nothing to read sleeps on
+        # it instead of polling (an idle gateway then costs no wake-ups at all).
+        self._subscribed = asyncio.Event()
 
     async def start(self) -> None:
         self._listener = asyncio.create_task(self._listen_forever())
@@ -156,8 +160,10 @@ class RedisWakeups(LocalWakeups):
         self._pubsub = pubsub
         while True:
             if not pubsub.node_pubsub_mapping:
-                # Nothing subscribed, nothing to read: wait for a first waiter.
-                await asyncio.sleep(_SHARD_POLL)
+                # Nothing subscribed, nothing to read: sleep until a first waiter subscribes.
+                # No await between the check and clear(), so no subscription slips between.
+                self._subscribed.clear()
+                await self._subscribed.wait()
                 continue
             message = await pubsub.get_sharded_message(
                 ignore_subscribe_messages=True, timeout=_SHARD_POLL
@@ -172,6 +178,8 @@ class RedisWakeups(LocalWakeups):
                     await self._pubsub.ssubscribe(channel)
                 else:
                     await self._pubsub.subscribe(channel)
+            # Even after a failed SSUBSCRIBE: a listener woken for nothing just sleeps again.
+            self._subscribed.set()
 
     async def _last_waiter_left(self, channel: str) -> None:
         if self._pubsub is not None:
