@@ -297,6 +297,12 @@ IpNetwork = Annotated[
 ]
 
 
+class LifecycleConfig(_Model):
+    # Load balancers need a few probe periods to see /readyz fail and stop sending; closing
+    # the listeners sooner would refuse requests they still route to this gateway.
+    drain_grace: Duration = 5.0
+
+
 class GatewayConfig(_Model):
     upstreams: dict[str, UpstreamConfig] = Field(min_length=1)
     routes: tuple[RouteConfig, ...] = Field(min_length=1)
@@ -305,6 +311,7 @@ class GatewayConfig(_Model):
     store: StoreConfig = StoreConfig()
     cache: CacheConfig = CacheConfig()
     sweeper: SweeperConfig = SweeperConfig()
+    lifecycle: LifecycleConfig = LifecycleConfig()
     store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED
     idempotency_header: str = "Idempotency-Key"
     trusted_proxies: tuple[IpNetwork, ...] = ()

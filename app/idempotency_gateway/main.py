@@ -27,6 +27,7 @@ from idempotency_gateway.config import (
     load_config,
     validate_config,
 )
+from idempotency_gateway.drain import DrainState
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicy
@@ -90,8 +91,10 @@ class Gateway:
         redis_url: str | None = None,
         admin_port: int | None = None,
         admin_token: SecretStr | None = None,
+        drain: DrainState | None = None,
     ) -> None:
         self.config = config
+        self.drain = drain or DrainState()
         self.database_url = database_url_or_default(database_url)
         self.admin_port = admin_port
         self.store = RecordStore.from_url(self.database_url, config.store, clock=utc_now)
@@ -131,6 +134,7 @@ class Gateway:
                 overrides=self.overrides,
                 scope_headers=tuple(name.encode() for name in config.scope.headers),
                 admin_token=admin_token,
+                drain=self.drain,
             )
         )
         self._background: list[asyncio.Task[None]] = []
@@ -200,6 +204,7 @@ def create_gateway(
     redis_url: str | None = None,
     admin_port: int | None = None,
     admin_token: SecretStr | None = None,
+    drain: DrainState | None = None,
 ) -> Gateway:
     return Gateway(
         config,
@@ -207,6 +212,7 @@ def create_gateway(
         redis_url=redis_url,
         admin_port=admin_port,
         admin_token=admin_token,
+        drain=drain,
     )
 
 
@@ -226,4 +232,5 @@ def gateway_from_environment() -> Gateway:
         redis_url=settings.redis_url,
         admin_port=settings.admin_port,
         admin_token=settings.admin_token,
+        drain=DrainState.from_environment(),
     )

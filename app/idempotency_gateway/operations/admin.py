@@ -23,6 +23,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, SecretStr
 from sqlalchemy.exc import SQLAlchemyError
 
+from idempotency_gateway.drain import DrainState
 from idempotency_gateway.errors import AdminError, GatewayError, StoreUnavailable
 from idempotency_gateway.idempotency.cache import ReplayCache
 from idempotency_gateway.idempotency.keys import scope_of
@@ -45,6 +46,7 @@ class AdminContext:
     overrides: BreakerOverrides
     scope_headers: tuple[bytes, ...]
     admin_token: SecretStr | None
+    drain: DrainState
 
 
 class StoredAnswerView(BaseModel):
@@ -247,10 +249,16 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         "/readyz",
         tags=["health"],
         responses={
-            503: {"description": "not ready: the store does not answer", "model": dict[str, str]}
+            503: {
+                "description": "not ready: draining, or the store does not answer",
+                "model": dict[str, str],
+            }
         },
     )
     async def readyz(response: Response) -> dict[str, str]:
+        if context.drain.draining:
+            response.status_code = 503
+            return {"status": "draining"}
         checks = {"store": "ok", "cache": "in-process"}
         try:
             async with asyncio.timeout(READINESS_TIMEOUT):
@@ -268,6 +276,17 @@ def create_admin_app(context: AdminContext) -> FastAPI:
     async def metrics() -> Response:
         body, content_type = exposition()
         return Response(body, media_type=content_type)
+
+    @app.post("/admin/drain", **admin, tags=["lifecycle"], status_code=202)
+    async def start_drain() -> dict[str, str]:
+        """Fail ``/readyz`` in every worker of this gateway; requests are still served."""
+        context.drain.start()
+        return {"status": "draining"}
+
+    @app.delete("/admin/drain", **admin, tags=["lifecycle"])
+    async def cancel_drain() -> dict[str, str]:
+        context.drain.cancel()
+        return {"status": "ready"}
 
     @app.get("/admin/records", **admin, tags=["records"])
     async def get_record(key: RecordKeyParam, include_body: bool = False) -> RecordView:
