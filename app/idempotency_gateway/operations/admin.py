@@ -20,6 +20,7 @@ from typing import Annotated, Any, Self
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, SecretStr
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -164,7 +165,9 @@ def _not_found(detail: str) -> AdminError:
 
 
 def create_admin_app(context: AdminContext) -> FastAPI:
-    app = FastAPI(
+    # /docs and /redoc load Swagger UI and ReDoc from this listener, not from a CDN: the
+    # admin port lives on private networks that often have no internet access.
+    app = FastAPIOffline(
         title="idempotency-gateway admin API",
         description="Inspect and repair idempotency records; watch and force circuit breakers.",
         version="1",
