@@ -113,6 +113,11 @@ class OnAmbiguous(StrEnum):
     RETRY = "retry"
 
 
+class ErrorFormat(StrEnum):
+    PROBLEM = "problem"
+    STRIPE = "stripe"
+
+
 class StoreUnavailablePolicy(StrEnum):
     FAIL_CLOSED = "fail_closed"
     PASS_THROUGH = "pass_through"
@@ -219,6 +224,9 @@ class IdempotencyConfig(_Model):
     operation: str | None = Field(None, min_length=1, max_length=200)
     fingerprint_headers: tuple[str, ...] = ()
     outcomes: OutcomeConfig = OutcomeConfig()
+    # How the gateway's own errors look on this route: RFC 9457 problems, or the body
+    # Stripe's SDKs parse (for routes in front of a Stripe-compatible API).
+    error_format: ErrorFormat = ErrorFormat.PROBLEM
 
     @field_validator("methods", mode="before")
     @classmethod

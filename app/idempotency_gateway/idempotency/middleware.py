@@ -108,7 +108,12 @@ class IdempotencyMiddleware:
                 note_outcome(scope, "rejected")
             elif isinstance(error, StoreUnavailable):
                 note_outcome(scope, "store_unavailable")
-            await send_problem(send, error, request_id=request_id_of(scope))
+            await send_problem(
+                send,
+                error,
+                request_id=request_id_of(scope),
+                error_format=policy.config.error_format,
+            )
 
     async def _protect(
         self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy
