@@ -33,7 +33,7 @@ from idempotency_gateway.errors import (
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedRequest
 from idempotency_gateway.idempotency.fingerprint import request_hash
-from idempotency_gateway.idempotency.keys import parse_idempotency_key, scope_of
+from idempotency_gateway.idempotency.keys import parse_idempotency_key, scope_of, with_bare_key
 from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from idempotency_gateway.idempotency.prefer import requested_wait
 from idempotency_gateway.idempotency.record import RecordKey
@@ -127,6 +127,7 @@ class IdempotencyMiddleware:
                 )
             await self.app(scope, receive, send)
             return
+        scope["headers"] = headers = with_bare_key(headers, self.header_name, key)
         operation = policy.operation(scope["method"], scope["path"])
         if len(operation) > OPERATION_MAX_LENGTH:
             # The record could not hold it: refused before any store access, like a 413.
