@@ -122,27 +122,30 @@ async def create_charge(client: stripe.StripeClient, key: str, amount: int) -> A
     )
 
 
+def assert_stripe_error(raised: stripe.StripeError, status: int, kind: str, code: str) -> None:
+    """The SDK parsed the gateway's body: status, ``error.type`` and ``error.code``."""
+    assert raised.http_status == status
+    assert raised.error is not None
+    assert (raised.error.type, raised.error.code) == (kind, code)
+
+
 async def test_key_reused_with_other_parameters_raises_idempotency_error(
     sdk: stripe.StripeClient,
     fake_stripe: tuple[FakeStripe, str],
     unique: Callable[[str], str],
 ) -> None:
     fake, _ = fake_stripe
-    client = sdk
     key = unique("stripe-reuse")
-    charge = await create_charge(client, key, 1000)
+    charge = await create_charge(sdk, key, 1000)
     assert charge.id == fake.created[-1]
     assert charge.amount == 1000
-    replayed = await create_charge(client, key, 1000)
+    replayed = await create_charge(sdk, key, 1000)
     assert replayed.id == charge.id
 
     with pytest.raises(stripe.IdempotencyError) as raised:
-        await create_charge(client, key, 2000)
+        await create_charge(sdk, key, 2000)
 
-    assert raised.value.http_status == 400
-    assert raised.value.error is not None
-    assert raised.value.error.type == "idempotency_error"
-    assert raised.value.error.code == "idempotency_key_reused"
+    assert_stripe_error(raised.value, 400, "idempotency_error", "idempotency_key_reused")
     assert fake.created == [charge.id]
 
 
@@ -152,19 +155,15 @@ async def test_retry_while_the_first_request_runs_gets_a_parsed_409(
     unique: Callable[[str], str],
 ) -> None:
     fake, _ = fake_stripe
-    client = sdk
     key = unique("stripe-inflight")
     fake.hold(key)
-    first = asyncio.create_task(create_charge(client, key, 1000))
+    first = asyncio.create_task(create_charge(sdk, key, 1000))
     await asyncio.wait_for(fake.arrived[key].wait(), timeout=10.0)
 
     with pytest.raises(stripe.APIError) as raised:
-        await create_charge(client, key, 1000)
+        await create_charge(sdk, key, 1000)
 
-    assert raised.value.http_status == 409
-    assert raised.value.error is not None
-    assert raised.value.error.type == "idempotency_error"
-    assert raised.value.error.code == "idempotency_key_in_use"
+    assert_stripe_error(raised.value, 409, "idempotency_error", "idempotency_key_in_use")
     assert raised.value.headers is not None
     assert raised.value.headers["retry-after"] == "1"
     fake.held[key].set()
@@ -179,10 +178,7 @@ async def test_malformed_key_is_an_invalid_request_error_and_other_routes_keep_p
     # it; an over-long one is the client-side mistake it can make.
     with pytest.raises(stripe.InvalidRequestError) as raised:
         await create_charge(sdk, "k" * (MAX_KEY_LENGTH + 1), 1000)
-    assert raised.value.http_status == 400
-    assert raised.value.error is not None
-    assert raised.value.error.type == "invalid_request_error"
-    assert raised.value.error.code == "idempotency_key_invalid"
+    assert_stripe_error(raised.value, 400, "invalid_request_error", "idempotency_key_invalid")
 
     problem = await gateway.client.post("/v1/refunds", json={})
     assert problem.status_code == 400
@@ -203,7 +199,4 @@ async def test_unreachable_upstream_is_an_api_error(
         async with stripe_sdk(running) as client:
             with pytest.raises(stripe.APIError) as raised:
                 await create_charge(client, unique("stripe-5xx"), 1000)
-    assert raised.value.http_status == 502
-    assert raised.value.error is not None
-    assert raised.value.error.type == "api_error"
-    assert raised.value.error.code == "upstream_unreachable"
+    assert_stripe_error(raised.value, 502, "api_error", "upstream_unreachable")
