@@ -200,3 +200,29 @@ async def test_unreachable_upstream_is_an_api_error(
             with pytest.raises(stripe.APIError) as raised:
                 await create_charge(client, unique("stripe-5xx"), 1000)
     assert_stripe_error(raised.value, 502, "api_error", "upstream_unreachable")
+
+
+async def test_ambiguous_timeout_is_an_api_error_and_so_is_its_replay(
+    fake_stripe: tuple[FakeStripe, str], postgres_url: str, unique: Callable[[str], str]
+) -> None:
+    fake, url = fake_stripe
+    key = unique("stripe-timeout")
+    fake.hold(key)  # never released: the upstream takes the charge and never answers
+    config = gateway_config(
+        url,
+        routes=[route("/", key="required", error_format="stripe", on_ambiguous="fail")],
+        timeouts={"per_try": "300ms", "total": "2s"},
+        retry={"max_attempts": 1},
+    )
+    async with GatewayLauncher() as launcher:
+        running = await launcher.start(config, database_url=postgres_url)
+        async with stripe_sdk(running) as client:
+            with pytest.raises(stripe.APIError) as first:
+                await create_charge(client, key, 1000)
+            with pytest.raises(stripe.APIError) as replay:
+                await create_charge(client, key, 1000)
+        fake.held[key].set()
+    for raised in (first, replay):
+        assert_stripe_error(raised.value, 504, "api_error", "upstream_timeout")
+    assert replay.value.headers is not None
+    assert replay.value.headers["idempotent-replayed"] == "true"

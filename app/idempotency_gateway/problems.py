@@ -73,6 +73,18 @@ def problem_headers(
     return headers
 
 
+def error_answer(
+    error: GatewayError, *, request_id: str | None, error_format: ErrorFormat
+) -> tuple[int, Headers, bytes]:
+    """Status, headers and body of the answer to ``error`` in ``error_format``."""
+    if error_format is ErrorFormat.STRIPE:
+        body = stripe_body(error, request_id=request_id)
+        headers = problem_headers(error, body, content_type=JSON_CONTENT_TYPE)
+        return stripe_status(error), headers, body
+    body = problem_body(error, request_id=request_id)
+    return error.status, problem_headers(error, body), body
+
+
 async def send_problem(
     send: Send,
     error: GatewayError,
@@ -80,13 +92,6 @@ async def send_problem(
     request_id: str | None,
     error_format: ErrorFormat = ErrorFormat.PROBLEM,
 ) -> None:
-    if error_format is ErrorFormat.STRIPE:
-        status = stripe_status(error)
-        body = stripe_body(error, request_id=request_id)
-        headers = problem_headers(error, body, content_type=JSON_CONTENT_TYPE)
-    else:
-        status = error.status
-        body = problem_body(error, request_id=request_id)
-        headers = problem_headers(error, body)
+    status, headers, body = error_answer(error, request_id=request_id, error_format=error_format)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -178,6 +178,7 @@ class IdempotencyEngine:
                 "after checking the resource's state."
             ),
             request_id_of(request.scope),
+            request.config.error_format,
         )
         run = OwnerRun(self.store, record, lease=request.config.lease)
         recorded = await self._record(request, run, Status.FAILED_FINAL, answer)
@@ -232,7 +233,9 @@ class IdempotencyEngine:
         elif not capture.started:
             # The app raised before answering: give the client what every retry will see.
             fallback = stored_problem(
-                OutcomeUnknown("the app failed"), request_id_of(request.scope)
+                OutcomeUnknown("the app failed"),
+                request_id_of(request.scope),
+                request.config.error_format,
             )
             await send_stored(capture.send, answer or fallback, replayed=False)
         if recorded:
@@ -252,6 +255,7 @@ class IdempotencyEngine:
         return stored_problem(
             OutcomeUnknown("the answer to this request was cut off; its outcome is unknown"),
             request_id_of(request.scope),
+            request.config.error_format,
         )
 
     @staticmethod
@@ -269,7 +273,7 @@ class IdempotencyEngine:
                 "the answer could not be recorded; retry with the same key to get the "
                 "answer of record"
             )
-        return stored_problem(error, request_id_of(request.scope))
+        return stored_problem(error, request_id_of(request.scope), request.config.error_format)
 
     async def _record(
         self, request: KeyedRequest, run: OwnerRun, status: Status, answer: StoredResponse | None

@@ -6,9 +6,10 @@ import logging
 from collections.abc import Sequence
 
 from idempotency_gateway.asgi import Headers, Message, Send
+from idempotency_gateway.config import ErrorFormat
 from idempotency_gateway.errors import GatewayError
 from idempotency_gateway.idempotency.record import StoredResponse
-from idempotency_gateway.problems import problem_body, problem_headers
+from idempotency_gateway.problems import error_answer
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +137,17 @@ def _content_length(headers: Headers) -> int | None:
     return None
 
 
-def stored_problem(error: GatewayError, request_id: str | None) -> StoredResponse:
-    """A problem response in the form the store keeps, for answers the gateway makes itself."""
-    body = problem_body(error, request_id=request_id)
+def stored_problem(
+    error: GatewayError, request_id: str | None, error_format: ErrorFormat
+) -> StoredResponse:
+    """An error answer in the form the store keeps, for answers the gateway makes itself."""
+    status, raw_headers, body = error_answer(
+        error, request_id=request_id, error_format=error_format
+    )
     headers = [
-        (name.decode(), value.decode())
-        for name, value in problem_headers(error, body)
-        if name != b"content-length"
+        (name.decode(), value.decode()) for name, value in raw_headers if name != b"content-length"
     ]
-    return StoredResponse(error.status, headers, body)
+    return StoredResponse(status, headers, body)
 
 
 async def send_stored(
