@@ -27,7 +27,7 @@ import tomllib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -355,7 +355,10 @@ async def healthy_entrypoint(
             except httpx.TransportError:
                 return False
 
-        await eventually(healthz_answers, timeout=20.0, message="/healthz on the admin port")
+        answered: bool = await eventually(
+            healthz_answers, timeout=20.0, message="/healthz on the admin port"
+        )
+        assert answered
         yield gateway
 
 
@@ -431,11 +434,11 @@ def interpolate(value: str) -> str:
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return load_yaml(COMPOSE_FILE)
+    return cast("dict[str, Any]", load_yaml(COMPOSE_FILE))
 
 
 def service(compose: dict[str, Any], name: str) -> dict[str, Any]:
-    return compose["services"][name]
+    return cast("dict[str, Any]", compose["services"][name])
 
 
 def environment(definition: dict[str, Any]) -> dict[str, str]:
@@ -454,7 +457,7 @@ def volume_source(definition: dict[str, Any], target: str) -> Path:
     for volume in definition["volumes"]:
         source, _, rest = volume.partition(":")
         if rest.split(":")[0] == target:
-            return (PROJECT_ROOT / source).resolve()
+            return (PROJECT_ROOT / str(source)).resolve()
     raise AssertionError(f"nothing is mounted at {target}")
 
 
@@ -745,14 +748,15 @@ def k8s() -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    template = workload["spec"]
     if workload["kind"] == "CronJob":
-        return workload["spec"]["jobTemplate"]["spec"]["template"]["spec"]
-    return workload["spec"]["template"]["spec"]
+        template = template["jobTemplate"]["spec"]
+    return cast("dict[str, Any]", template["template"]["spec"])
 
 
 def the_container(workload: dict[str, Any]) -> dict[str, Any]:
     (container,) = pod_spec(workload)["containers"]
-    return container
+    return cast("dict[str, Any]", container)
 
 
 def deployment(k8s: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
