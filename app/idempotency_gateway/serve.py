@@ -88,7 +88,7 @@ class GatewaySupervisor(Multiprocess):
 
     def handle_term(self) -> None:
         if self._drain_ends is not None:
-            return  # SIGTERM again (to the whole process group, say): already draining
+            return  # a second SIGTERM (an impatient orchestrator) must not cut the grace short
         grace = self.gateway_config.lifecycle.drain_grace
         self._drain.start()
         self._drain_ends = time.monotonic() + grace
