@@ -20,12 +20,14 @@ import functools
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tomllib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -353,7 +355,10 @@ async def healthy_entrypoint(
             except httpx.TransportError:
                 return False
 
-        await eventually(healthz_answers, timeout=20.0, message="/healthz on the admin port")
+        answered: bool = await eventually(
+            healthz_answers, timeout=20.0, message="/healthz on the admin port"
+        )
+        assert answered
         yield gateway
 
 
@@ -411,7 +416,7 @@ def test_the_deploy_files_are_all_there() -> None:
         "deploy/grafana/provisioning/datasources/prometheus.yml",
         "deploy/k8s/deployment.yaml",
         "deploy/k8s/service.yaml",
-        "deploy/k8s/configmap.yaml",
+        "deploy/k8s/config/gateway.yaml",
         "deploy/k8s/secret.example.yaml",
         "deploy/k8s/migration-job.yaml",
         "deploy/k8s/hpa.yaml",
@@ -429,11 +434,11 @@ def interpolate(value: str) -> str:
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return load_yaml(COMPOSE_FILE)
+    return cast("dict[str, Any]", load_yaml(COMPOSE_FILE))
 
 
 def service(compose: dict[str, Any], name: str) -> dict[str, Any]:
-    return compose["services"][name]
+    return cast("dict[str, Any]", compose["services"][name])
 
 
 def environment(definition: dict[str, Any]) -> dict[str, str]:
@@ -452,7 +457,7 @@ def volume_source(definition: dict[str, Any], target: str) -> Path:
     for volume in definition["volumes"]:
         source, _, rest = volume.partition(":")
         if rest.split(":")[0] == target:
-            return (PROJECT_ROOT / source).resolve()
+            return (PROJECT_ROOT / str(source)).resolve()
     raise AssertionError(f"nothing is mounted at {target}")
 
 
@@ -579,9 +584,12 @@ def test_compose_starts_the_gateway_after_migrate_succeeded_and_redis_is_healthy
 
 
 def test_compose_gateway_stop_grace_outlasts_the_drain(compose: dict[str, Any]) -> None:
-    grace = service(compose, "gateway")["stop_grace_period"]
+    gateway = service(compose, "gateway")
+    grace = gateway["stop_grace_period"]
     assert grace.endswith("s")
-    assert int(grace[:-1]) > GRACEFUL_SHUTDOWN_SECONDS + DRAIN_TIMEOUT
+    config = load_config(volume_source(gateway, str(parse_cli(gateway["command"]).config)))
+    drain = config.lifecycle.drain_grace
+    assert int(grace[:-1]) > drain + GRACEFUL_SHUTDOWN_SECONDS + DRAIN_TIMEOUT
 
 
 # -------------------------------------------------------------------- Prometheus, Grafana
@@ -602,7 +610,9 @@ def test_prometheus_scrapes_the_gateway_admin_port_and_loads_the_mounted_alerts(
     assert host in compose["services"]
     assert int(port) == parse_cli(service(compose, host)["command"]).admin_port
     for rule_file in scrape["rule_files"]:
-        assert volume_source(prometheus, rule_file) == ALERTS.resolve()
+        # Prometheus reads relative rule_files from the config file's directory.
+        in_container = PurePosixPath(config_target).parent / rule_file
+        assert volume_source(prometheus, str(in_container)) == ALERTS.resolve()
 
 
 def test_grafana_provisions_the_datasource_and_dashboard_the_json_uses(
@@ -724,27 +734,29 @@ def test_alert_rules_are_complete_and_uniquely_named() -> None:
 
 @pytest.fixture(scope="module")
 def k8s() -> dict[tuple[str, str], dict[str, Any]]:
+    """What ``kubectl apply -k deploy/k8s`` applies, rendered by the real kustomize, plus the
+    example Secret that the operator creates beforehand."""
+    rendered = run_tool("kubectl", "kustomize", str(K8S)).stdout
     objects: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        for document in load_documents(path):
-            assert {"apiVersion", "kind", "metadata"} <= set(document), path
-            key = (document["kind"], document["metadata"]["name"])
-            assert key not in objects, f"{key} is defined twice"
-            objects[key] = document
+    documents = [*yaml.safe_load_all(rendered), *load_documents(K8S / "secret.example.yaml")]
+    for document in documents:
+        assert {"apiVersion", "kind", "metadata"} <= set(document)
+        key = (document["kind"], document["metadata"]["name"])
+        assert key not in objects, f"{key} is defined twice"
+        objects[key] = document
     return objects
 
 
 def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    template = workload["spec"]
     if workload["kind"] == "CronJob":
-        return workload["spec"]["jobTemplate"]["spec"]["template"]["spec"]
-    return workload["spec"]["template"]["spec"]
+        template = template["jobTemplate"]["spec"]
+    return cast("dict[str, Any]", template["template"]["spec"])
 
 
 def the_container(workload: dict[str, Any]) -> dict[str, Any]:
     (container,) = pod_spec(workload)["containers"]
-    return container
+    return cast("dict[str, Any]", container)
 
 
 def deployment(k8s: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
@@ -865,7 +877,8 @@ def test_k8s_pods_run_as_the_image_user_without_privileges(
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == uid
         container = the_container(workload)
-        assert container["image"].startswith(f"{GATEWAY_IMAGE}:")
+        (image,) = load_yaml(K8S / "kustomization.yaml")["images"]
+        assert container["image"] == f"{image['newName']}:{image['newTag']}"
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
         assert container["resources"]["requests"]["cpu"]
@@ -880,7 +893,9 @@ def test_k8s_termination_grace_outlasts_pre_stop_and_the_drain(
     delay = int(pre_stop[1])
     assert delay > 0, "endpoints must drop the pod before it gets SIGTERM"
     grace = pod_spec(workload)["terminationGracePeriodSeconds"]
-    assert grace > delay + GRACEFUL_SHUTDOWN_SECONDS + DRAIN_TIMEOUT
+    config = load_config(K8S / "config" / "gateway.yaml")
+    drain = config.lifecycle.drain_grace
+    assert grace > delay + drain + GRACEFUL_SHUTDOWN_SECONDS + DRAIN_TIMEOUT
 
 
 def test_k8s_services_select_the_gateway_pods_and_name_its_ports(
@@ -935,6 +950,112 @@ def test_k8s_kustomization_lists_existing_files_but_never_the_example_secret() -
     assert "secret.example.yaml" not in resources
     for resource in resources:
         assert (K8S / resource).is_file(), resource
-    assert {"deployment.yaml", "service.yaml", "configmap.yaml"} <= set(resources)
+    assert {
+        "deployment.yaml",
+        "service.yaml",
+        "migration-job.yaml",
+        "sweep-cronjob.yaml",
+    } <= set(resources)
     (image,) = kustomization["images"]
     assert image["name"] == GATEWAY_IMAGE
+
+
+def test_k8s_sweep_cronjob_is_applied_suspended_while_the_gateways_sweep(
+    k8s: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    cronjob = k8s[("CronJob", "idempotency-gateway-sweep")]
+    config = load_config(K8S / "config" / "gateway.yaml")
+    assert cronjob["spec"]["suspend"] is (config.sweeper.interval > 0)
+
+
+def config_volume_name(rendered: str) -> str:
+    (workload,) = [
+        document for document in yaml.safe_load_all(rendered) if document["kind"] == "Deployment"
+    ]
+    (volume,) = [v for v in pod_spec(workload)["volumes"] if "configMap" in v]
+    return str(volume["configMap"]["name"])
+
+
+def test_k8s_config_change_rolls_the_deployment_pods(tmp_path: Path) -> None:
+    """A Deployment rolls its pods only when its pod template changes: the generated
+    ConfigMap's name carries a hash of the config, and the template refers to that name."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    before = config_volume_name(run_tool("kubectl", "kustomize", str(copy)).stdout)
+    config_file = copy / "config" / "gateway.yaml"
+    config_file.write_text(config_file.read_text().replace("lease: 30s", "lease: 20s"))
+    after = config_volume_name(run_tool("kubectl", "kustomize", str(copy)).stdout)
+    assert before.startswith("idempotency-gateway-config-")
+    assert after.startswith("idempotency-gateway-config-")
+    assert before != after
+
+
+# ------------------------------------------------------------- the tools' own validators
+
+
+def tool_path(name: str) -> str:
+    """``name`` from the virtualenv (PyPI tools) or PATH (Debian ones). Missing fails: CI
+    must run these checks, and ``scripts/test`` installs every one of them."""
+    in_venv = Path(sys.executable).parent / name
+    found = str(in_venv) if in_venv.is_file() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: run scripts/test (ensure_deploy_validators)")
+    return found
+
+
+def run_tool(name: str, *args: str, cwd: Path = PROJECT_ROOT) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [tool_path(name), *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, f"{name} {' '.join(args)}:\n{result.stdout}{result.stderr}"
+    return result
+
+
+def test_prometheus_config_passes_promtool() -> None:
+    run_tool("promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml"))
+
+
+def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
+    run_tool("promtool", "check", "rules", str(ALERTS))
+    tested = run_tool("promtool", "test", "rules", "alerts.test.yml", cwd=ALERTS.parent)
+    assert "SUCCESS" in tested.stdout
+
+
+def test_rendered_k8s_manifests_pass_kubernetes_validate_strictly(tmp_path: Path) -> None:
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(run_tool("kubectl", "kustomize", str(K8S)).stdout)
+    for manifest in (rendered, K8S / "secret.example.yaml"):
+        result = run_tool("kubernetes-validate", "--strict", str(manifest))
+        assert "passed" in result.stdout + result.stderr
+
+
+def test_compose_file_passes_the_compose_spec_schema_used_by_compose_v2() -> None:
+    run_tool("check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE))
+
+
+def test_compose_file_passes_compose_v1_config() -> None:
+    run_tool("docker-compose", "--file", str(COMPOSE_FILE), "config", "--quiet")
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    run_tool("hadolint", str(DOCKERFILE))
+
+
+def shell_scripts() -> list[Path]:
+    """Every shell script of the project: ``*.sh`` files and files with a shell shebang."""
+    found = []
+    for folder in (PROJECT_ROOT / "scripts", DEPLOY, PROJECT_ROOT / "benchmarks"):
+        for path in sorted(folder.rglob("*")):
+            if not path.is_file():
+                continue
+            with path.open("rb") as stream:
+                first_line = stream.readline()
+            if path.suffix == ".sh" or re.match(rb"#!.*\b(ba)?sh\b", first_line):
+                found.append(path)
+    return found
+
+
+def test_every_shell_script_passes_shellcheck() -> None:
+    scripts = shell_scripts()
+    assert {PROJECT_ROOT / "scripts" / "test", ENTRYPOINT_SCRIPT} <= set(scripts)
+    run_tool("shellcheck", "--external-sources", *map(str, scripts))

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,16 +93,22 @@ def _serve(args: argparse.Namespace) -> int:
     metrics_directory = None
     if args.workers > 1 and MULTIPROCESS_ENV not in os.environ:
         metrics_directory = prepare_metrics_directory()
+    # The drain marker lives as long as this supervisor: a new `serve` starts ready.
+    drain_directory = tempfile.mkdtemp(prefix="idempotency-gateway-drain-")
     try:
-        return _run_server(args, settings, config)
+        return _run_server(args, settings, config, Path(drain_directory) / "draining")
     finally:
+        shutil.rmtree(drain_directory, ignore_errors=True)
         if metrics_directory is not None:
             shutil.rmtree(metrics_directory, ignore_errors=True)
 
 
-def _run_server(args: argparse.Namespace, settings: EnvSettings, config: GatewayConfig) -> int:
+def _run_server(
+    args: argparse.Namespace, settings: EnvSettings, config: GatewayConfig, drain_marker: Path
+) -> int:
+    from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
-    from idempotency_gateway.main import RESOLVED_CONFIG_ENV, database_url_or_default
+    from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
 
@@ -112,8 +119,8 @@ def _run_server(args: argparse.Namespace, settings: EnvSettings, config: Gateway
         # Migrate once here, before any worker starts, so workers never race on DDL.
         upgrade_to_head(database_url)
     admin_port = args.admin_port if args.admin_port is not None else settings.admin_port
-    os.environ[RESOLVED_CONFIG_ENV] = config.model_dump_json()
     os.environ["GATEWAY_ADMIN_PORT"] = str(admin_port)
+    os.environ[DRAIN_MARKER_ENV] = str(drain_marker)
     log_startup(
         log_level=args.log_level,
         log_format=args.log_format,
@@ -125,7 +132,7 @@ def _run_server(args: argparse.Namespace, settings: EnvSettings, config: Gateway
         redis_url=settings.redis_url,
         routes=len(config.routes),
     )
-    serve(
+    return serve(
         host=args.host,
         port=args.port,
         admin_port=admin_port,
@@ -133,8 +140,11 @@ def _run_server(args: argparse.Namespace, settings: EnvSettings, config: Gateway
         log_level=args.log_level,
         log_format=args.log_format,
         limits=config.limits,
+        gateway_config=config,
+        # SIGHUP reads the same source again: the file (--config or GATEWAY_CONFIG).
+        reload_config=lambda: _resolve_config(args, EnvSettings()),
+        drain=DrainState(drain_marker),
     )
-    return 0
 
 
 def _migrate(args: argparse.Namespace) -> int:

@@ -120,6 +120,11 @@ class OnAmbiguous(StrEnum):
     RETRY = "retry"
 
 
+class ErrorFormat(StrEnum):
+    PROBLEM = "problem"
+    STRIPE = "stripe"
+
+
 class StoreUnavailablePolicy(StrEnum):
     FAIL_CLOSED = "fail_closed"
     PASS_THROUGH = "pass_through"
@@ -230,6 +235,9 @@ class IdempotencyConfig(_Model):
     operation: str | None = Field(None, min_length=1, max_length=200)
     fingerprint_headers: tuple[str, ...] = ()
     outcomes: OutcomeConfig = OutcomeConfig()
+    # How the gateway's own errors look on this route: RFC 9457 problems, or the body
+    # Stripe's SDKs parse (for routes in front of a Stripe-compatible API).
+    error_format: ErrorFormat = ErrorFormat.PROBLEM
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -330,6 +338,12 @@ IpNetwork = Annotated[
 ]
 
 
+class LifecycleConfig(_Model):
+    # Load balancers need a few probe periods to see /readyz fail and stop sending; closing
+    # the listeners sooner would refuse requests they still route to this gateway.
+    drain_grace: Duration = 5.0
+
+
 class GatewayConfig(_Model):
     upstreams: dict[str, UpstreamConfig] = Field(min_length=1)
     routes: tuple[RouteConfig, ...] = Field(min_length=1)
@@ -338,6 +352,7 @@ class GatewayConfig(_Model):
     store: StoreConfig = StoreConfig()
     cache: CacheConfig = CacheConfig()
     sweeper: SweeperConfig = SweeperConfig()
+    lifecycle: LifecycleConfig = LifecycleConfig()
     store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED
     idempotency_header: str = "Idempotency-Key"
     trusted_proxies: tuple[IpNetwork, ...] = ()

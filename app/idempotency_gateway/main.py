@@ -28,6 +28,7 @@ from idempotency_gateway.config import (
     load_config,
     validate_config,
 )
+from idempotency_gateway.drain import DrainState
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
@@ -96,8 +97,10 @@ class Gateway:
         admin_port: int | None = None,
         admin_token: SecretStr | None = None,
         scope_secret: SecretStr | None = None,
+        drain: DrainState | None = None,
     ) -> None:
         self.config = config
+        self.drain = drain or DrainState()
         self.database_url = database_url_or_default(database_url)
         secret = resolve_scope_secret(scope_secret, self.database_url)
         self.admin_port = admin_port
@@ -143,6 +146,7 @@ class Gateway:
                 scope_secret=secret,
                 admin_token=admin_token,
                 invalidations=self.invalidations,
+                drain=self.drain,
             )
         )
         self._background: list[asyncio.Task[None]] = []
@@ -216,6 +220,7 @@ def create_gateway(
     admin_port: int | None = None,
     admin_token: SecretStr | None = None,
     scope_secret: SecretStr | None = None,
+    drain: DrainState | None = None,
 ) -> Gateway:
     return Gateway(
         config,
@@ -224,6 +229,7 @@ def create_gateway(
         admin_port=admin_port,
         admin_token=admin_token,
         scope_secret=scope_secret,
+        drain=drain,
     )
 
 
@@ -244,4 +250,5 @@ def gateway_from_environment() -> Gateway:
         admin_port=settings.admin_port,
         admin_token=settings.admin_token,
         scope_secret=settings.scope_secret,
+        drain=DrainState.from_environment(),
     )

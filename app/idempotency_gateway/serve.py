@@ -1,21 +1,41 @@
 """Running the gateway under uvicorn: the proxy and admin listeners in every worker.
 
 uvicorn's ``run`` binds one socket. The gateway needs two, so it binds both itself and hands
-them to uvicorn's server (one worker) or to uvicorn's process supervisor (``--workers N``):
-every worker then accepts on both, and one lifespan starts everything a worker needs.
+them to a supervisor process that runs the workers (one, or ``--workers N``): every worker
+accepts on both, and one lifespan starts everything a worker needs. One worker gets a
+supervisor too, so that SIGHUP can replace it while the supervisor keeps the sockets open.
+
+The supervisor is uvicorn's, plus what a fleet needs from it:
+
+* SIGHUP re-reads and validates the config file. An invalid one is refused (logged, field by
+  field) and the workers keep running the old one; a valid one reaches every worker through a
+  rolling restart: each new worker starts before the one it replaces is stopped.
+* SIGTERM drains: ``/readyz`` fails in every worker at once while they keep serving, for
+  ``lifecycle.drain_grace``; then the workers stop as uvicorn stops them (listeners close,
+  in-flight requests finish, executions finalize) and the process exits 0.
+* SIGINT (Ctrl-C) stops at once, without the grace.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
+import time
+from collections.abc import Callable
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
-from idempotency_gateway.config import LimitsConfig
+from idempotency_gateway.config import ConfigError, GatewayConfig, LimitsConfig
+from idempotency_gateway.drain import DrainState
+from idempotency_gateway.main import RESOLVED_CONFIG_ENV
 from idempotency_gateway.server.protocol import EdgeServerConfig
 from idempotency_gateway.telemetry.logs import LogFormat, uvicorn_log_config
 from idempotency_gateway.telemetry.multiprocess import forget_dead_workers
+
+log = logging.getLogger("idempotency_gateway.serve")
 
 GATEWAY_FACTORY = "idempotency_gateway.main:gateway_from_environment"
 # Long enough for in-flight executions to finish and finalize after SIGTERM.
@@ -31,6 +51,68 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class GatewaySupervisor(Multiprocess):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        sockets: list[socket.socket],
+        *,
+        gateway_config: GatewayConfig,
+        reload_config: Callable[[], GatewayConfig],
+        drain: DrainState,
+    ) -> None:
+        super().__init__(config, sockets)
+        self.gateway_config = gateway_config
+        self._reload_config = reload_config
+        self._drain = drain
+        self._drain_ends: float | None = None
+        os.environ[RESOLVED_CONFIG_ENV] = gateway_config.model_dump_json()
+
+    def handle_hup(self) -> None:
+        try:
+            new_config = self._reload_config()
+        except ConfigError as exc:
+            log.error(
+                "config reload refused, the workers keep the running config: "
+                "invalid configuration in %s: %s",
+                exc.source,
+                "; ".join(exc.errors),
+            )
+            return
+        self.gateway_config = new_config
+        # Workers are spawned with this process's environment: the new ones read it there.
+        os.environ[RESOLVED_CONFIG_ENV] = new_config.model_dump_json()
+        log.info("config reloaded; replacing the workers one at a time")
+        before = set(self.processes)
+        super().handle_hup()
+        if before & set(self.processes):
+            log.error("config reload incomplete: a new worker did not start; see above")
+
+    def handle_term(self) -> None:
+        if self._drain_ends is not None:
+            return  # a second SIGTERM (an impatient orchestrator) must not cut the grace short
+        grace = self.gateway_config.lifecycle.drain_grace
+        self._drain.start()
+        self._drain_ends = time.monotonic() + grace
+        log.info("SIGTERM: draining; /readyz fails, requests are still served for %gs", grace)
+
+    def handle_signals(self) -> None:
+        super().handle_signals()
+        if self._drain_ends is not None and time.monotonic() >= self._drain_ends:
+            log.info("drain grace over; stopping the workers")
+            self.should_exit.set()
+
+    def terminate_all(self) -> None:
+        # Our copies of the listening sockets would keep them open once the workers close
+        # theirs: the kernel would queue connections nobody accepts instead of refusing them.
+        for sock in self.sockets:
+            sock.close()
+        super().terminate_all()
+
+    def failed_to_start(self) -> bool:
+        return any(process.exitcode == STARTUP_FAILURE for process in self.processes)
+
+
 def serve(
     *,
     host: str,
@@ -40,7 +122,12 @@ def serve(
     log_level: str,
     log_format: LogFormat,
     limits: LimitsConfig,
-) -> None:
+    gateway_config: GatewayConfig,
+    reload_config: Callable[[], GatewayConfig],
+    drain: DrainState,
+) -> int:
+    """Run until stopped; the exit status is uvicorn's startup failure code if a worker
+    could not start, else 0."""
     config = EdgeServerConfig(
         GATEWAY_FACTORY,
         limits=limits,
@@ -63,8 +150,13 @@ def serve(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     sockets = [_bind(host, port), _bind(host, admin_port)]
-    if workers > 1:
-        forget_dead_workers()
-        Multiprocess(config, sockets=sockets).run()
-    else:
-        uvicorn.Server(config).run(sockets=sockets)
+    forget_dead_workers()
+    supervisor = GatewaySupervisor(
+        config,
+        sockets,
+        gateway_config=gateway_config,
+        reload_config=reload_config,
+        drain=drain,
+    )
+    supervisor.run()
+    return STARTUP_FAILURE if supervisor.failed_to_start() else 0

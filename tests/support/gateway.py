@@ -70,6 +70,9 @@ def gateway_config(
     data: dict[str, Any] = {
         "upstreams": {PRIMARY: primary, **(upstreams or {})},
         "routes": routes or [route("/")],
+        # Tests stop gateway processes with SIGTERM; the load balancers' drain grace would
+        # only slow every stop down. Tests of the drain itself set their own.
+        "lifecycle": {"drain_grace": "0s"},
         **settings,
     }
     return validate_config(data, source="test")

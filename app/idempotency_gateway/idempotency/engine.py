@@ -180,6 +180,7 @@ class IdempotencyEngine:
                 "after checking the resource's state."
             ),
             request_id_of(request.scope),
+            request.config.error_format,
         )
         run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
         recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
@@ -208,7 +209,11 @@ class IdempotencyEngine:
         ]
         inner_scope["state"] = {**request.scope.get("state", {}), STATE_KEY: execution}
         run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
-        capture = ResponseCapture(request.send, max_stored_body=request.config.max_stored_body)
+        capture = ResponseCapture(
+            request.send,
+            max_stored_body=request.config.max_stored_body,
+            error_format=request.config.error_format,
+        )
         async with run.heartbeat():
             try:
                 await self.app(inner_scope, replay_receive(request.body), capture.send)
@@ -234,7 +239,9 @@ class IdempotencyEngine:
         elif not capture.started:
             # The app raised before answering: give the client what every retry will see.
             fallback = stored_problem(
-                OutcomeUnknown("the app failed"), request_id_of(request.scope)
+                OutcomeUnknown("the app failed"),
+                request_id_of(request.scope),
+                request.config.error_format,
             )
             await send_stored(capture.send, answer or fallback, replayed=False)
         if recorded:
@@ -254,6 +261,7 @@ class IdempotencyEngine:
         return stored_problem(
             OutcomeUnknown("the answer to this request was cut off; its outcome is unknown"),
             request_id_of(request.scope),
+            request.config.error_format,
         )
 
     @staticmethod
@@ -271,7 +279,7 @@ class IdempotencyEngine:
                 "the answer could not be recorded; retry with the same key to get the "
                 "answer of record"
             )
-        return stored_problem(error, request_id_of(request.scope))
+        return stored_problem(error, request_id_of(request.scope), request.config.error_format)
 
     async def _record(
         self, request: KeyedRequest, run: OwnerRun, status: Status, answer: StoredResponse | None

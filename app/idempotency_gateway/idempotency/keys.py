@@ -66,6 +66,14 @@ def parse_idempotency_key(headers: Headers, header_name: bytes) -> str | None:
     return key
 
 
+def with_bare_key(headers: Headers, header_name: bytes, key: str) -> Headers:
+    """``headers`` with the key field holding the bare key: ``abc`` and ``"abc"`` are one key
+    here, so the upstream must see them as one key too. Bare, because the APIs behind
+    gateways (Stripe's among them) read the field as an opaque string, quotes included."""
+    bare = key.encode("ascii")
+    return [(name, bare if name == header_name else value) for name, value in headers]
+
+
 def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: bytes) -> str:
     """Who the client is, as an HMAC-SHA256 hex digest keyed by the deployment's secret.
 

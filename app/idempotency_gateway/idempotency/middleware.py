@@ -38,6 +38,7 @@ from idempotency_gateway.idempotency.keys import (
     ANONYMOUS_SCOPE,
     parse_idempotency_key,
     scope_of,
+    with_bare_key,
 )
 from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from idempotency_gateway.idempotency.prefer import requested_wait
@@ -124,7 +125,12 @@ class IdempotencyMiddleware:
                 note_outcome(scope, RequestOutcome.REJECTED)
             elif isinstance(error, StoreUnavailable):
                 note_outcome(scope, RequestOutcome.STORE_UNAVAILABLE)
-            await send_problem(send, error, request_id=request_id_of(scope))
+            await send_problem(
+                send,
+                error,
+                request_id=request_id_of(scope),
+                error_format=policy.config.error_format,
+            )
 
     async def _protect(
         self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy, target: RequestTarget
@@ -138,6 +144,7 @@ class IdempotencyMiddleware:
                 )
             await self.app(scope, receive, send)
             return
+        scope["headers"] = headers = with_bare_key(headers, self.header_name, key)
         operation = policy.operation(scope["method"], target)
         if len(operation) > OPERATION_MAX_LENGTH:
             # The record could not hold it: refused before any store access, like a 413.

@@ -6,9 +6,10 @@ import logging
 from collections.abc import Sequence
 
 from idempotency_gateway.asgi import Headers, Message, Send
+from idempotency_gateway.config import ErrorFormat
 from idempotency_gateway.errors import GatewayError, UpstreamInvalidResponse, is_final_status
 from idempotency_gateway.idempotency.record import StoredResponse
-from idempotency_gateway.problems import problem_body, problem_headers
+from idempotency_gateway.problems import error_answer
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,10 @@ class ResponseCapture:
     answer may retry at once, and must then find the record final, not a 409.
     """
 
-    def __init__(self, send: Send, *, max_stored_body: int) -> None:
+    def __init__(self, send: Send, *, max_stored_body: int, error_format: ErrorFormat) -> None:
         self._send = send
         self._limit = max_stored_body
+        self._error_format = error_format
         self._chunks: list[bytes] = []
         self._size = 0
         self.status: int | None = None
@@ -96,7 +98,7 @@ class ResponseCapture:
             "status; the request may or may not have been processed"
         )
         log.error("replacing an invalid response status: %s", error.detail)
-        problem = stored_problem(error, request_id=None)
+        problem = stored_problem(error, request_id=None, error_format=self._error_format)
         await send_stored(self.send, problem, replayed=False)
         self._replaced = True
 
@@ -155,15 +157,17 @@ def _content_length(headers: Headers) -> int | None:
     return None
 
 
-def stored_problem(error: GatewayError, request_id: str | None) -> StoredResponse:
-    """A problem response in the form the store keeps, for answers the gateway makes itself."""
-    body = problem_body(error, request_id=request_id)
+def stored_problem(
+    error: GatewayError, request_id: str | None, error_format: ErrorFormat
+) -> StoredResponse:
+    """An error answer in the form the store keeps, for answers the gateway makes itself."""
+    status, raw_headers, body = error_answer(
+        error, request_id=request_id, error_format=error_format
+    )
     headers = [
-        (name.decode(), value.decode())
-        for name, value in problem_headers(error, body)
-        if name != b"content-length"
+        (name.decode(), value.decode()) for name, value in raw_headers if name != b"content-length"
     ]
-    return StoredResponse(error.status, headers, body)
+    return StoredResponse(status, headers, body)
 
 
 async def send_stored(

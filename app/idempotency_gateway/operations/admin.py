@@ -20,10 +20,12 @@ from typing import Annotated, Any, Self
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, SecretStr
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException
 
+from idempotency_gateway.drain import DrainState
 from idempotency_gateway.errors import AdminError, GatewayError, StoreUnavailable
 from idempotency_gateway.idempotency.cache import ReplayCache
 from idempotency_gateway.idempotency.keys import scope_of
@@ -50,6 +52,7 @@ class AdminContext:
     scope_headers: tuple[bytes, ...]
     scope_secret: bytes
     admin_token: SecretStr | None
+    drain: DrainState
     # Set when the replay cache is per process: deletes must reach every worker's copy.
     invalidations: CacheInvalidations | None = None
 
@@ -194,7 +197,9 @@ def refuse_nul(request: Request) -> None:
 
 
 def create_admin_app(context: AdminContext) -> FastAPI:
-    app = FastAPI(
+    # /docs and /redoc load Swagger UI and ReDoc from this listener, not from a CDN: the
+    # admin port lives on private networks that often have no internet access.
+    app = FastAPIOffline(
         title="idempotency-gateway admin API",
         description="Inspect and repair idempotency records; watch and force circuit breakers.",
         version="1",
@@ -280,13 +285,16 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         tags=["health"],
         responses={
             503: {
-                "description": "not ready: the store does not answer or its schema is not at "
-                "the migration head",
+                "description": "not ready: draining, the store does not answer, or its schema "
+                "is not at the migration head",
                 "model": dict[str, str],
             }
         },
     )
     async def readyz(response: Response) -> dict[str, str]:
+        if context.drain.draining:
+            response.status_code = 503
+            return {"status": "draining"}
         checks = {"store": "ok", "cache": "in-process"}
         try:
             async with asyncio.timeout(READINESS_TIMEOUT):
@@ -305,6 +313,17 @@ def create_admin_app(context: AdminContext) -> FastAPI:
     async def metrics() -> Response:
         body, content_type = exposition()
         return Response(body, media_type=content_type)
+
+    @app.post("/admin/drain", **admin, tags=["lifecycle"], status_code=202)
+    async def start_drain() -> dict[str, str]:
+        """Fail ``/readyz`` in every worker of this gateway; requests are still served."""
+        context.drain.start()
+        return {"status": "draining"}
+
+    @app.delete("/admin/drain", **admin, tags=["lifecycle"])
+    async def cancel_drain() -> dict[str, str]:
+        context.drain.cancel()
+        return {"status": "ready"}
 
     @app.get("/admin/records", **admin, tags=["records"])
     async def get_record(key: RecordKeyParam, include_body: bool = False) -> RecordView:

@@ -21,7 +21,7 @@ from idempotency_gateway.asgi import (
     cancel_on_disconnect,
     read_body,
 )
-from idempotency_gateway.config import GatewayConfig, OnAmbiguous, RouteConfig
+from idempotency_gateway.config import ErrorFormat, GatewayConfig, OnAmbiguous, RouteConfig
 from idempotency_gateway.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
 from idempotency_gateway.execution import Outcome, execution_of
 from idempotency_gateway.problems import send_problem
@@ -83,9 +83,14 @@ class ProxyApp:
             return
         except UpstreamError as error:
             self._report(scope, error)
-            await send_problem(send, error, request_id=request_id_of(scope))
+            await self._send_error(scope, send, error)
         except GatewayError as error:
-            await send_problem(send, error, request_id=request_id_of(scope))
+            await self._send_error(scope, send, error)
+
+    async def _send_error(self, scope: Scope, send: Send, error: GatewayError) -> None:
+        route = target_of(scope).route
+        error_format = route.idempotency.error_format if route else ErrorFormat.PROBLEM
+        await send_problem(send, error, request_id=request_id_of(scope), error_format=error_format)
 
     def _report(self, scope: Scope, error: UpstreamError) -> None:
         """Tell the idempotency layer whether the request left, and the client whether a
