@@ -22,12 +22,13 @@ from tests.support import eventually
 
 # A renewal every 0.1 s of real time.
 LEASE = 0.3
+TTL = 3600
 # What the records table holds in owner_id.
 OWNER_ID_LENGTH = 32
 
 
 async def reserved(store: RecordStore, key: str) -> Record:
-    claim = Claim("hash", new_owner_id(), lease=LEASE, ttl=3600)
+    claim = Claim("hash", new_owner_id(), lease=LEASE, ttl=TTL)
     reservation = await store.reserve(RecordKey("scope", "POST /v1/owned", key), claim)
     assert reservation.reserved
     return reservation.record
@@ -49,7 +50,7 @@ async def test_heartbeat_renews_the_lease_again_and_again_while_the_owner_runs(
     store: RecordStore, clock: ManualClock, unique: Callable[[str], str]
 ) -> None:
     record = await reserved(store, unique("heartbeat"))
-    run = OwnerRun(store, record, lease=LEASE)
+    run = OwnerRun(store, record, lease=LEASE, ttl=TTL)
     async with run.heartbeat():
         for _ in range(3):
             clock.advance(60)
@@ -61,7 +62,7 @@ async def test_an_owner_taken_over_stops_renewing_and_knows_it_was_fenced(
     store: RecordStore, clock: ManualClock, unique: Callable[[str], str]
 ) -> None:
     record = await reserved(store, unique("fenced-heartbeat"))
-    run = OwnerRun(store, record, lease=LEASE)
+    run = OwnerRun(store, record, lease=LEASE, ttl=TTL)
 
     def fenced_renewals() -> float:
         value = REGISTRY.get_sample_value(

@@ -37,6 +37,7 @@ from idempotency_gateway.target import canonical_path
 from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_config
 from tests.support.background import InBackgroundThread
 from tests.support.gateway import GatewayLauncher, gateway_config, route
+from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import Execution
 from tests.test_hostile_input import Reply, assert_clear_answer, exchange, request_bytes
 
@@ -49,6 +50,9 @@ EXPECTED_PROBLEMS = {
     "idempotency-key-missing": 400,
     "idempotency-key-invalid": 400,
     "operation-too-long": 414,
+    # The HTTP server layer's own refusals, before any app code runs.
+    "malformed-request": 400,
+    "tunnel-refused": 501,
 }
 
 
@@ -176,8 +180,14 @@ def slug(reply: Reply) -> str:
 
 
 def parser_refused(reply: Reply) -> bool:
-    """The HTTP parser's own 400: the target was no URL at all, and no app code ran."""
-    return reply.status == 400 and reply.headers.get("content-type", "").startswith("text/plain")
+    """The HTTP server layer's own refusal: the target was no URL at all (400) or asked for a
+    tunnel (501), and no app code ran."""
+    if not reply.headers.get("content-type", "").startswith("application/problem+json"):
+        return False
+    return (reply.status, slug(reply)) in {
+        (400, "malformed-request"),
+        (501, "tunnel-refused"),
+    }
 
 
 def answered(stack: TargetStack, raw: bytes) -> tuple[Reply, list[Execution]]:
@@ -503,7 +513,10 @@ async def test_library_mode_canonicalizes_before_choosing_the_policy(
 ) -> None:
     api = FastAPI()
     api.add_middleware(
-        IdempotencyMiddleware, store=store, policy={CHARGES: IdempotencyConfig(key="required")}
+        IdempotencyMiddleware,
+        store=store,
+        policy={CHARGES: IdempotencyConfig(key="required")},
+        scope_secret=TEST_SCOPE_SECRET,
     )
     seen: list[str] = []
 
