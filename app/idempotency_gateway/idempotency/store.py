@@ -162,6 +162,15 @@ def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
         )
         _tune_sqlite(engine)
         return engine
+    connect_args: dict[str, Any] = {
+        "timeout": config.connect_timeout,
+        "command_timeout": config.statement_timeout,
+    }
+    if not config.prepared_statements:
+        # Unnamed statements only, for PgBouncer in transaction mode: with asyncpg's cache off
+        # its prepare() is unnamed, and SQLAlchemy must not keep prepared statements either (a
+        # kept one would be bound on whichever server connection PgBouncer hands out next).
+        connect_args |= {"statement_cache_size": 0, "prepared_statement_cache_size": 0}
     return create_async_engine(
         url,
         isolation_level="AUTOCOMMIT",
@@ -170,10 +179,7 @@ def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
         pool_size=_ADMIN_POOL_SIZE,
         max_overflow=0,
         pool_timeout=config.connect_timeout,
-        connect_args={
-            "timeout": config.connect_timeout,
-            "command_timeout": config.statement_timeout,
-        },
+        connect_args=connect_args,
     )
 
 
