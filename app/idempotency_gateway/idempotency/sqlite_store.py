@@ -22,13 +22,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency import sqlite_sql as sql
-from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
+from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status
 from idempotency_gateway.idempotency.store import (
     Claim,
     Clock,
     RecordStore,
     Reservation,
-    encode_body,
+    StoredColumns,
     record_from_row,
     store_errors,
 )
@@ -106,7 +106,6 @@ class SqliteRecordStore(RecordStore):
         await super().close()
 
     async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
-        """Insert a fresh ``IN_PROGRESS`` row, or return the row that holds the key."""
         now = self.clock()
         values = _key(key) | {
             "request_hash": claim.request_hash,
@@ -130,8 +129,6 @@ class SqliteRecordStore(RecordStore):
         return Reservation(_record(row), reserved, now)
 
     async def take_over(self, seen: Record, claim: Claim) -> Record | None:
-        """Claim ``seen`` for a new execution, only if nobody changed it since it was read
-        and no owner holds a live lease on it."""
         now = self.clock()
         values = _key(seen.key) | {
             "s_status": seen.status.value,
@@ -155,39 +152,21 @@ class SqliteRecordStore(RecordStore):
         )
         return changed > 0
 
-    async def finalize(
-        self,
-        key: RecordKey,
-        fence: Fence,
-        *,
-        status: Status,
-        response: StoredResponse | None,
-        ttl: float,
+    async def _write_outcome(
+        self, key: RecordKey, fence: Fence, status: Status, answer: StoredColumns, ttl: float
     ) -> bool:
-        """Record the outcome; ``False`` means this owner was fenced off and nothing changed.
-        A record already past its expiry (a live execution outlived it) is kept ``ttl``
-        seconds from now, so its answer can be replayed."""
         now = self.clock()
         values = _key(key) | _fence(fence)
         values |= {
             "status": status.value,
             "now": to_text(now),
             "keep": to_text(now + timedelta(seconds=ttl)),
-            "response_status": None,
-            "response_headers": None,
-            "response_body": None,
-            "body_compressed": False,
-            "body_omitted": False,
+            "response_status": answer.status,
+            "response_headers": None if answer.headers is None else json.dumps(answer.headers),
+            "response_body": answer.body,
+            "body_compressed": answer.compressed,
+            "body_omitted": answer.omitted,
         }
-        if response is not None:
-            body, compressed = encode_body(response.body)
-            values |= {
-                "response_status": response.status,
-                "response_headers": json.dumps([list(pair) for pair in response.headers]),
-                "response_body": body,
-                "body_compressed": compressed,
-                "body_omitted": response.body_omitted,
-            }
         changed = await self._run("finalize", lambda db: db.execute(sql.FINALIZE, values).rowcount)
         return changed > 0
 

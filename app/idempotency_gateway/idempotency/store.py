@@ -103,6 +103,26 @@ def encode_body(body: bytes) -> tuple[bytes, bool]:
     return compressed, True
 
 
+@dataclass(frozen=True, slots=True)
+class StoredColumns:
+    """An outcome's answer as the ``response_*`` and body columns hold it (all empty when the
+    outcome has no answer); the body is compressed when that pays."""
+
+    status: int | None = None
+    headers: list[list[str]] | None = None
+    body: bytes | None = None
+    compressed: bool = False
+    omitted: bool = False
+
+    @classmethod
+    def of(cls, response: StoredResponse | None) -> StoredColumns:
+        if response is None:
+            return cls()
+        body, compressed = encode_body(response.body)
+        headers = [list(pair) for pair in response.headers]
+        return cls(response.status, headers, body, compressed, response.body_omitted)
+
+
 class Row(Protocol):
     """A result row by column name: SQLAlchemy's ``row._mapping`` or an asyncpg record."""
 
@@ -299,7 +319,6 @@ class RecordStore(ABC):
     async def renew_lease(self, key: RecordKey, fence: Fence, *, lease: float) -> bool:
         """Extend the owner's lease; ``False`` means this owner was fenced off."""
 
-    @abstractmethod
     async def finalize(
         self,
         key: RecordKey,
@@ -312,6 +331,13 @@ class RecordStore(ABC):
         """Record the outcome; ``False`` means this owner was fenced off and nothing changed.
         A record already past its expiry (a live execution outlived it) is kept ``ttl``
         seconds from now, so its answer can be replayed."""
+        return await self._write_outcome(key, fence, status, StoredColumns.of(response), ttl)
+
+    @abstractmethod
+    async def _write_outcome(
+        self, key: RecordKey, fence: Fence, status: Status, answer: StoredColumns, ttl: float
+    ) -> bool:
+        """``finalize`` as the backend runs it."""
 
     @abstractmethod
     async def get(self, key: RecordKey) -> Record | None: ...
