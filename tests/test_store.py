@@ -424,6 +424,32 @@ async def test_get_of_absent_key_is_none(store: RecordStore, key: RecordKey) -> 
     assert await store.get(key) is None
 
 
+# ------------------------------------------------------------------------ admin paths
+
+
+async def test_admin_paths_read_and_change_what_the_hot_path_wrote(
+    store: RecordStore, clock: ManualClock, key: RecordKey
+) -> None:
+    """The admin paths run through SQLAlchemy, the hot path on the driver directly: both
+    must agree on how times are stored, or a stuck owner would go unseen."""
+    clock.now = datetime(2001, 1, 1, tzinfo=UTC)
+    record = (await reserve(store, key, new_owner())).record
+
+    def ours(records: list[Record]) -> list[Record]:
+        return [stuck for stuck in records if stuck.key == key]
+
+    clock.advance(LEASE - 1)
+    assert ours(await store.list_stuck(limit=1000)) == []
+    clock.advance(1)  # lease_expires_at <= now: the owner is presumed dead
+    assert ours(await store.list_stuck(limit=1000)) == [record]
+
+    assert await store.expire(key)
+    expired = await store.get(key)
+    assert expired is not None
+    assert (expired.expires_at, expired.is_expired(clock.now)) == (clock.now, True)
+    await store.delete(key)
+
+
 # --------------------------------------------------------------------------------- sweep
 
 

@@ -14,7 +14,6 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Any
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
@@ -23,14 +22,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency import postgres_sql as sql
-from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
+from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status
 from idempotency_gateway.idempotency.store import (
     Claim,
     Clock,
     RecordStore,
     Reservation,
+    StoredColumns,
     asyncpg_dsn_of,
-    encode_body,
     record_from_row,
     store_errors,
 )
@@ -137,20 +136,9 @@ class PostgresRecordStore(RecordStore):
             )
         return _changed(status)
 
-    async def finalize(
-        self,
-        key: RecordKey,
-        fence: Fence,
-        *,
-        status: Status,
-        response: StoredResponse | None,
-        ttl: float,
+    async def _write_outcome(
+        self, key: RecordKey, fence: Fence, status: Status, answer: StoredColumns, ttl: float
     ) -> bool:
-        answer: tuple[Any, ...] = (None, None, None, False, False)
-        if response is not None:
-            body, compressed = encode_body(response.body)
-            headers = [list(pair) for pair in response.headers]
-            answer = (response.status, headers, body, compressed, response.body_omitted)
         async with self._pg("finalize") as connection:
             result = await connection.execute(
                 sql.FINALIZE,
@@ -159,7 +147,11 @@ class PostgresRecordStore(RecordStore):
                 fence.owner_id,
                 fence.fencing_token,
                 status.value,
-                *answer,
+                answer.status,
+                answer.headers,
+                answer.body,
+                answer.compressed,
+                answer.omitted,
                 ttl,
             )
         return _changed(result)

@@ -1,14 +1,15 @@
 """``RecordStore``: every transition of a record is one atomic SQL statement.
 
-``RecordStore.from_url`` picks the backend: on PostgreSQL, ``PostgresRecordStore`` runs the hot
-statements as plain SQL on asyncpg directly, on the database's clock; on SQLite (one machine)
-this class runs them through SQLAlchemy Core on the host clock. Both keep one contract, proved
-by one test suite. The admin and sweep paths run through SQLAlchemy on both. The store decides
-nothing: it runs compare-and-set statements and reports whether they matched;
+``RecordStore.from_url`` picks the backend, and each runs its hot statements (reserve, take
+over, renew lease, finalize, get) as plain SQL on its driver directly: ``PostgresRecordStore``
+on asyncpg, on the database's clock; ``SqliteRecordStore`` on ``sqlite3`` in a thread of its
+own, on the host clock (one machine). Both keep one contract, proved by one test suite. The
+admin and sweep paths, here, run through SQLAlchemy on both. The store decides nothing: it
+runs compare-and-set statements and reports whether they matched;
 ``idempotency_gateway.idempotency.machine`` decides what a record means.
 
 Round trips on the hot path: a new key costs one reserve and one finalize; a duplicate costs
-one statement (on PostgreSQL the reserve returns the existing row in the same round trip).
+one statement on PostgreSQL (the reserve returns the existing row in the same round trip).
 Statements run in autocommit mode, so none pays for a separate BEGIN and COMMIT.
 """
 
@@ -18,20 +19,23 @@ import asyncio
 import sqlite3
 import time
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import asyncpg
 from sqlalchemy import (
     ColumnElement,
+    and_,
     delete,
     event,
     func,
     inspect,
     literal,
+    or_,
     select,
     text,
     tuple_,
@@ -44,9 +48,9 @@ from sqlalchemy.sql.functions import now as db_now
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency import statements
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.schema import records
+from idempotency_gateway.idempotency.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
 from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY
 
 Clock = Callable[[], datetime]
@@ -99,6 +103,26 @@ def encode_body(body: bytes) -> tuple[bytes, bool]:
     return compressed, True
 
 
+@dataclass(frozen=True, slots=True)
+class StoredColumns:
+    """An outcome's answer as the ``response_*`` and body columns hold it (all empty when the
+    outcome has no answer); the body is compressed when that pays."""
+
+    status: int | None = None
+    headers: list[list[str]] | None = None
+    body: bytes | None = None
+    compressed: bool = False
+    omitted: bool = False
+
+    @classmethod
+    def of(cls, response: StoredResponse | None) -> StoredColumns:
+        if response is None:
+            return cls()
+        body, compressed = encode_body(response.body)
+        headers = [list(pair) for pair in response.headers]
+        return cls(response.status, headers, body, compressed, response.body_omitted)
+
+
 class Row(Protocol):
     """A result row by column name: SQLAlchemy's ``row._mapping`` or an asyncpg record."""
 
@@ -130,8 +154,12 @@ def record_from_row(data: Row) -> Record:
     )
 
 
-def _fence_params(fence: Fence) -> dict[str, Any]:
-    return {"f_owner": fence.owner_id, "f_token": fence.fencing_token}
+def _key_matches(key: RecordKey) -> ColumnElement[bool]:
+    return and_(
+        records.c.scope == key.scope,
+        records.c.operation == key.operation,
+        records.c.idempotency_key == key.idempotency_key,
+    )
 
 
 def normalize_database_url(url: str) -> str:
@@ -162,6 +190,15 @@ def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
         )
         _tune_sqlite(engine)
         return engine
+    connect_args: dict[str, Any] = {
+        "timeout": config.connect_timeout,
+        "command_timeout": config.statement_timeout,
+    }
+    if not config.prepared_statements:
+        # Unnamed statements only, for PgBouncer in transaction mode: with asyncpg's cache off
+        # its prepare() is unnamed, and SQLAlchemy must not keep prepared statements either (a
+        # kept one would be bound on whichever server connection PgBouncer hands out next).
+        connect_args |= {"statement_cache_size": 0, "prepared_statement_cache_size": 0}
     return create_async_engine(
         url,
         isolation_level="AUTOCOMMIT",
@@ -170,22 +207,16 @@ def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
         pool_size=_ADMIN_POOL_SIZE,
         max_overflow=0,
         pool_timeout=config.connect_timeout,
-        connect_args={
-            "timeout": config.connect_timeout,
-            "command_timeout": config.statement_timeout,
-        },
+        connect_args=connect_args,
     )
 
 
 def _tune_sqlite(engine: AsyncEngine) -> None:
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # WAL lets readers run beside the single writer; busy_timeout makes the writers of
-        # several worker processes queue instead of failing with "database is locked".
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA busy_timeout=5000")
+        for pragma in SQLITE_PRAGMAS:
+            cursor.execute(pragma)
         cursor.close()
 
 
@@ -215,7 +246,7 @@ def store_errors(operation: str) -> Iterator[None]:
         STORE_LATENCY.labels(operation).observe(time.perf_counter() - started)
 
 
-class RecordStore:
+class RecordStore(ABC):
     """The durable home of idempotency records, shared by every gateway on one database.
 
     Build it with ``RecordStore.from_url(url, StoreConfig())`` on a database migrated to the
@@ -235,11 +266,13 @@ class RecordStore:
     def from_url(cls, url: str, config: StoreConfig, *, clock: Clock | None = None) -> RecordStore:
         engine = create_engine_for(url, config)
         if engine.dialect.name == "postgresql":
-            # Imported here: the PostgreSQL store builds on this class.
+            # Imported here: both backends build on this class.
             from idempotency_gateway.idempotency.postgres_store import PostgresRecordStore
 
             return PostgresRecordStore(engine, config, clock=clock)
-        return cls(engine, clock=clock)
+        from idempotency_gateway.idempotency.sqlite_store import SqliteRecordStore
+
+        return SqliteRecordStore(engine, engine.url.database or ":memory:", clock=clock)
 
     async def close(self) -> None:
         await self.engine.dispose()
@@ -271,70 +304,20 @@ class RecordStore:
             revision = await connection.scalar(text("SELECT version_num FROM alembic_version"))
         return None if revision is None else str(revision)
 
+    @abstractmethod
     async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
         """Insert a fresh ``IN_PROGRESS`` row, or return the row that holds the key."""
-        now = self.clock()
-        values = {
-            "scope": key.scope,
-            "operation": key.operation,
-            "idempotency_key": key.idempotency_key,
-            "request_hash": claim.request_hash,
-            "status": Status.IN_PROGRESS.value,
-            "owner_id": claim.owner_id,
-            "fencing_token": 1,
-            "lease_expires_at": now + timedelta(seconds=claim.lease),
-            "attempts": 1,
-            "body_compressed": False,
-            "body_omitted": False,
-            "created_at": now,
-            "updated_at": now,
-            "expires_at": now + timedelta(seconds=claim.ttl),
-        }
-        async with self._connection("reserve") as connection:
-            row = (await connection.execute(statements.RESERVE_SQLITE, values)).first()
-            if row is not None:
-                return Reservation(record_from_row(row._mapping), True, now)
-            # The insert lost: a plain read sees the row that holds the key.
-            existing = (
-                await connection.execute(statements.SELECT_RECORD, statements.key_params(key))
-            ).first()
-        if existing is None:
-            # Deleted between our insert and read: rare enough that the caller just retries.
-            raise StoreUnavailable("the record vanished while being reserved; retry")
-        return Reservation(record_from_row(existing._mapping), False, now)
 
+    @abstractmethod
     async def take_over(self, seen: Record, claim: Claim) -> Record | None:
-        """Claim ``seen`` for a new execution, only if nobody changed it since it was read.
+        """Claim ``seen`` for a new execution, only if nobody changed it since it was read
+        and no owner holds a live lease on it. An expired record starts a new life (token
+        1, new TTL); a retryable or abandoned one keeps its history and bumps the fencing
+        token, so the old owner is fenced off."""
 
-        An expired record starts a new life (token 1, new TTL); a retryable or abandoned one
-        keeps its history and bumps the fencing token, so the old owner is fenced off.
-        """
-        now = self.clock()
-        params: dict[str, Any] = statements.key_params(seen.key) | {
-            "s_status": seen.status.value,
-            "s_owner": seen.owner_id,
-            "s_token": seen.fencing_token,
-            "t_request_hash": claim.request_hash,
-            "t_owner": claim.owner_id,
-            "t_lease_expires_at": now + timedelta(seconds=claim.lease),
-            "t_now": now,
-            "t_live_at": now,
-        }
-        statement = statements.TAKE_OVER
-        if seen.is_expired(now):
-            statement = statements.TAKE_OVER_EXPIRED
-            params |= {"t_now2": now, "t_expires_at": now + timedelta(seconds=claim.ttl)}
-        async with self._connection("take_over") as connection:
-            row = (await connection.execute(statement, params)).first()
-        return record_from_row(row._mapping) if row is not None else None
-
+    @abstractmethod
     async def renew_lease(self, key: RecordKey, fence: Fence, *, lease: float) -> bool:
-        now = self.clock()
-        params = statements.key_params(key) | _fence_params(fence)
-        params |= {"r_lease_expires_at": now + timedelta(seconds=lease), "r_now": now}
-        async with self._connection("renew_lease") as connection:
-            result = await connection.execute(statements.RENEW_LEASE, params)
-        return bool(result.rowcount)
+        """Extend the owner's lease; ``False`` means this owner was fenced off."""
 
     async def finalize(
         self,
@@ -348,55 +331,31 @@ class RecordStore:
         """Record the outcome; ``False`` means this owner was fenced off and nothing changed.
         A record already past its expiry (a live execution outlived it) is kept ``ttl``
         seconds from now, so its answer can be replayed."""
-        now = self.clock()
-        params: dict[str, Any] = statements.key_params(key) | _fence_params(fence)
-        params |= {
-            "u_status": status.value,
-            "u_now": now,
-            "u_now_check": now,
-            "u_keep": now + timedelta(seconds=ttl),
-        }
-        if response is None:
-            params |= {
-                "u_response_status": None,
-                "u_response_headers": None,
-                "u_response_body": None,
-                "u_body_compressed": False,
-                "u_body_omitted": False,
-            }
-        else:
-            body, compressed = encode_body(response.body)
-            params |= {
-                "u_response_status": response.status,
-                "u_response_headers": [list(pair) for pair in response.headers],
-                "u_response_body": body,
-                "u_body_compressed": compressed,
-                "u_body_omitted": response.body_omitted,
-            }
-        async with self._connection("finalize") as connection:
-            result = await connection.execute(statements.FINALIZE, params)
-        return bool(result.rowcount)
+        return await self._write_outcome(key, fence, status, StoredColumns.of(response), ttl)
 
-    async def get(self, key: RecordKey) -> Record | None:
-        async with self._connection("get") as connection:
-            result = await connection.execute(statements.SELECT_RECORD, statements.key_params(key))
-            row = result.first()
-        return record_from_row(row._mapping) if row is not None else None
+    @abstractmethod
+    async def _write_outcome(
+        self, key: RecordKey, fence: Fence, status: Status, answer: StoredColumns, ttl: float
+    ) -> bool:
+        """``finalize`` as the backend runs it."""
+
+    @abstractmethod
+    async def get(self, key: RecordKey) -> Record | None: ...
 
     async def delete(self, key: RecordKey) -> bool:
         async with self._connection("delete") as connection:
-            result = await connection.execute(statements.DELETE_RECORD, statements.key_params(key))
+            result = await connection.execute(delete(records).where(_key_matches(key)))
         return bool(result.rowcount)
 
     async def expire(self, key: RecordKey) -> bool:
         """Make a record count as absent now (it stays readable until swept)."""
         statement = (
             update(records)
-            .where(statements.KEY_MATCHES)
+            .where(_key_matches(key))
             .values(expires_at=self._now_sql(), updated_at=self._now_sql())
         )
         async with self._connection("expire") as connection:
-            result = await connection.execute(statement, statements.key_params(key))
+            result = await connection.execute(statement)
         return bool(result.rowcount)
 
     async def list_stuck(self, *, limit: int) -> list[Record]:
@@ -432,7 +391,14 @@ class RecordStore:
         now = self._now_sql()
         expired = (
             select(records.c.scope, records.c.operation, records.c.idempotency_key)
-            .where(records.c.expires_at <= now, statements.not_live(now))
+            # Never a live execution, whatever its TTL says.
+            .where(
+                records.c.expires_at <= now,
+                or_(
+                    records.c.status != Status.IN_PROGRESS.value,
+                    records.c.lease_expires_at <= now,
+                ),
+            )
             .limit(batch_size)
         )
         if self._is_postgres:
