@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import logging
 import logging.config
-
-from sqlalchemy.engine import make_url
+import re
 
 from idempotency_gateway.telemetry.logs import LogFormat, uvicorn_log_config
 
 log = logging.getLogger("idempotency_gateway.startup")
 
 
+# The password of a URL's userinfo: ``scheme://user:PASSWORD@host...``. A pattern, not a URL
+# parser, because a Redis Cluster URL lists several hosts (``h1:6379,h2:6379``), which no URL
+# parser accepts, and a line that merely names the store must never stop the gateway.
+_PASSWORD = re.compile(r"(?<=://)([^:/@]*):[^@/]*@")
+
+
 def without_password(url: str) -> str:
-    return make_url(url).render_as_string(hide_password=True)
+    return _PASSWORD.sub(r"\1:***@", url)
 
 
 def log_startup(
