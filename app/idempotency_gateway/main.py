@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from idempotency_gateway.asgi import Receive, Scope, Send
+from idempotency_gateway.clock import utc_now
 from idempotency_gateway.config import (
     CacheConfig,
     EnvSettings,
@@ -35,7 +36,7 @@ from idempotency_gateway.idempotency.policy import RoutePolicies
 from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
-from idempotency_gateway.idempotency.store import RecordStore, utc_now
+from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.migrate import upgrade_to_head_async
 from idempotency_gateway.operations.admin import AdminContext, create_admin_app

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Protocol
 
 import orjson
 
+from idempotency_gateway.clock import Clock, Monotonic, monotonic, utc_now
 from idempotency_gateway.idempotency.record import (
     REPLAYABLE,
     Record,
@@ -131,12 +131,14 @@ class InProcessCache:
         *,
         max_entries: int,
         max_bytes: int,
-        monotonic: Callable[[], float] = time.monotonic,
+        clock: Clock = utc_now,
+        monotonic: Monotonic = monotonic,
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._entries: OrderedDict[RecordKey, CachedAnswer] = OrderedDict()
         self._bytes = 0
+        self._clock = clock
         self._monotonic = monotonic
         # Key -> until when puts of it are refused (see INVALIDATION_GUARD).
         self._guarded: dict[RecordKey, float] = {}
@@ -150,7 +152,7 @@ class InProcessCache:
 
     async def get(self, key: RecordKey) -> CachedAnswer | None:
         answer = self._entries.get(key)
-        if answer is not None and not answer.is_live(datetime.now(UTC)):
+        if answer is not None and not answer.is_live(self._clock()):
             self._remove(key)
             answer = None
         if answer is None:

@@ -17,18 +17,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import TypeVar
 
 from redis.asyncio import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from idempotency_gateway.clock import Clock, utc_now
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
 from idempotency_gateway.idempotency.cache import CachedAnswer, cache_key, decode, encode
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.redis_connection import RedisClient
-from idempotency_gateway.idempotency.store import utc_now
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, CACHE_LOOKUPS
@@ -72,7 +71,7 @@ class RedisCache:
         *,
         timeout: float,
         max_entry_bytes: int,
-        clock: Callable[[], datetime] = utc_now,
+        clock: Clock = utc_now,
         breaker: CircuitBreaker | None = None,
     ) -> None:
         self.redis = redis

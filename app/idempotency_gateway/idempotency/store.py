@@ -20,7 +20,7 @@ import sqlite3
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -46,14 +46,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.functions import now as db_now
 
+from idempotency_gateway.clock import Clock, utc_now
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
 from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY
-
-Clock = Callable[[], datetime]
 
 # Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
 SWEEP_LOCK_ID = 0x1DE4_9A7E
@@ -63,10 +62,6 @@ _ADMIN_POOL_SIZE = 2
 
 # Bodies below this size are stored as they are: compressing them saves nothing worth a CPU.
 _COMPRESS_FROM = 1024
-
-
-def utc_now() -> datetime:
-    return datetime.now(UTC)
 
 
 @dataclass(frozen=True, slots=True)

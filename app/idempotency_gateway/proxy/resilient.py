@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from idempotency_gateway.clock import Monotonic, monotonic
 from idempotency_gateway.config import CONNECT_FAILURE, UpstreamConfig
 from idempotency_gateway.errors import (
     CircuitOpen,
@@ -74,7 +75,7 @@ class ResilientUpstream:
         self,
         client: UpstreamClient,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Monotonic = monotonic,
         sleep: Sleep = asyncio.sleep,
         uniform: Callable[[float, float], float] = random.uniform,
         on_breaker_transition: TransitionListener | None = None,

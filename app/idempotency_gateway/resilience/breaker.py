@@ -15,13 +15,13 @@ hands a half-open permit back, so no lost call can keep a breaker refusing for g
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
 from typing import Self
 
+from idempotency_gateway.clock import Monotonic, monotonic
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
 from idempotency_gateway.resilience.window import SlidingCounter
@@ -106,7 +106,7 @@ class CircuitBreaker:
         name: str,
         config: BreakerConfig,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Monotonic = monotonic,
         on_transition: TransitionListener | None = None,
     ) -> None:
         self.name = name
