@@ -226,7 +226,14 @@ class IdempotencyEngine:
         status = classify(capture.status or 500, execution.outcome, request.config)
         answer = self._answer_to_store(request, capture, status)
         recorded, published = await self._record(request, run, status, answer)
-        if not recorded:
+        if recorded:
+            # An app that raised before answering: the client gets what every retry will see.
+            instead = answer or stored_problem(
+                OutcomeUnknown("the app failed"),
+                request_id_of(request.scope),
+                request.config.error_format,
+            )
+        else:
             # Fenced off, or the store is down: this answer is not the key's answer of record
             # (a newer owner's may be, or an "outcome unknown" later), so the client must not
             # take it as final. Its retry with the key gets the answer of record.
@@ -235,17 +242,8 @@ class IdempotencyEngine:
                 "fenced off" if run.fenced else "store unavailable",
                 extra={"route": request.policy.name, "fencing_token": record.fencing_token},
             )
-            await capture.withdraw(self._not_of_record(request, run))
-        elif not capture.started:
-            # The app raised before answering: give the client what every retry will see.
-            fallback = stored_problem(
-                OutcomeUnknown("the app failed"),
-                request_id_of(request.scope),
-                request.config.error_format,
-            )
-            await send_stored(capture.send, answer or fallback, replayed=False)
-        if recorded:
-            await capture.release()
+            instead = self._not_of_record(request, run)
+        await capture.finish(recorded=recorded, instead=instead)
         # Waiters re-read the store whatever happened (even a fenced finalize is news); waking
         # them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
