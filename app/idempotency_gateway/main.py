@@ -117,9 +117,9 @@ class Gateway:
         breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
         self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
         self.invalidations = (
-            CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
-            if isinstance(self.cache, InProcessCache)
-            else None
+            None
+            if self.cache.shared_across_workers
+            else CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
         )
         self.sweeper = Sweeper(self.store, config.sweeper)
         self.stuck_records = StuckRecordsSampler(self.store.count_stuck)
@@ -170,8 +170,7 @@ class Gateway:
             await client.start()
         for name in self.upstreams:
             BREAKER_STATE.labels(name).set(BREAKER_STATE_VALUES[BreakerState.CLOSED.value])
-        if isinstance(self.wakeups, RedisWakeups):
-            await self.wakeups.start()
+        await self.wakeups.start()
         self._background.append(asyncio.create_task(self.overrides.run()))
         if self.invalidations is not None:
             self._background.append(asyncio.create_task(self.invalidations.run()))

@@ -111,6 +111,14 @@ def decode(raw: bytes, expected: RecordKey) -> CachedAnswer | None:
 
 
 class ReplayCache(Protocol):
+    """What the engine, the admin API and the gateway's assembly need of a replay cache;
+    none of them looks at the concrete class."""
+
+    # True when every worker reads the same entries (Redis): one delete reaches them all.
+    # False for a cache each process keeps for itself: an operator's delete then reaches the
+    # other processes only through ``CacheInvalidations``.
+    shared_across_workers: bool
+
     async def get(self, key: RecordKey) -> CachedAnswer | None: ...
 
     async def put(self, answer: CachedAnswer) -> bool:
@@ -120,11 +128,26 @@ class ReplayCache(Protocol):
 
     async def delete(self, key: RecordKey) -> bool: ...
 
+    def invalidate(self, keys: Iterable[RecordKey]) -> None:
+        """Drop this process's own copies of records an operator changed, and keep them out
+        for a while (``INVALIDATION_GUARD``). A shared cache keeps no copies of its own."""
+        ...
+
+    def clear(self) -> None:
+        """Drop every copy this process keeps of its own (a shared cache keeps none)."""
+        ...
+
+    async def health(self) -> str:
+        """What readiness reports for the cache: it never makes the gateway unready."""
+        ...
+
     async def close(self) -> None: ...
 
 
 class InProcessCache:
     """A bounded LRU for the embedded default: by entry count and by total body bytes."""
+
+    shared_across_workers = False
 
     def __init__(
         self,
@@ -198,6 +221,9 @@ class InProcessCache:
         answer = self._entries.pop(key, None)
         if answer is not None:
             self._bytes -= len(answer.response.body)
+
+    async def health(self) -> str:
+        return "in-process"
 
     async def close(self) -> None:
         self.clear()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from redis.asyncio import RedisCluster
@@ -65,6 +65,8 @@ FAILED = _Failed()
 
 
 class RedisCache:
+    shared_across_workers = True
+
     def __init__(
         self,
         redis: RedisClient,
@@ -149,6 +151,13 @@ class RedisCache:
         return (
             await self._guarded("delete", lambda: self.redis.delete(cache_key(key))) is not FAILED
         )
+
+    def invalidate(self, keys: Iterable[RecordKey]) -> None:
+        """Nothing to drop: every process reads the one copy in Redis, which the admin API
+        deletes itself."""
+
+    def clear(self) -> None:
+        """Nothing to drop: this process keeps no copies of its own."""
 
     async def ping(self) -> bool:
         return await self._guarded("ping", self.redis.ping) is True

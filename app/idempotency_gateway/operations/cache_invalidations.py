@@ -19,7 +19,7 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from idempotency_gateway.idempotency.cache import InProcessCache
+from idempotency_gateway.idempotency.cache import ReplayCache
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.schema import cache_invalidations
 from idempotency_gateway.telemetry.degradation import DegradationLog
@@ -37,7 +37,7 @@ class CacheInvalidations:
     def __init__(
         self,
         engine: AsyncEngine,
-        cache: InProcessCache,
+        cache: ReplayCache,
         *,
         clock: Callable[[], datetime],
         interval: float = POLL_INTERVAL,
