@@ -19,6 +19,7 @@ from typing import Protocol
 import orjson
 
 from idempotency_gateway.clock import Clock, Monotonic, monotonic, utc_now
+from idempotency_gateway.config import CacheConfig
 from idempotency_gateway.idempotency.record import (
     REPLAYABLE,
     Record,
@@ -165,6 +166,10 @@ class InProcessCache:
         self._monotonic = monotonic
         # Key -> until when puts of it are refused (see INVALIDATION_GUARD).
         self._guarded: dict[RecordKey, float] = {}
+
+    @classmethod
+    def sized_by(cls, config: CacheConfig) -> InProcessCache:
+        return cls(max_entries=config.max_entries, max_bytes=config.max_bytes)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -20,7 +20,17 @@ from idempotency_gateway.asgi import (
     read_body,
     replay_receive,
 )
-from idempotency_gateway.config import AnonymousPolicy, KeyPolicy, StoreUnavailablePolicy
+from idempotency_gateway.config import (
+    DEFAULT_IDEMPOTENCY_HEADER,
+    DEFAULT_STORE_UNAVAILABLE,
+    AnonymousPolicy,
+    CacheConfig,
+    KeyPolicy,
+    LimitsConfig,
+    ScopeConfig,
+    StoreConfig,
+    StoreUnavailablePolicy,
+)
 from idempotency_gateway.errors import (
     CredentialRequired,
     GatewayError,
@@ -57,6 +67,9 @@ from idempotency_gateway.telemetry.request_log import (
 
 log = logging.getLogger(__name__)
 
+# The gateway's config sections with nothing set: a library user gets the gateway's defaults.
+_SCOPE, _LIMITS, _STORE = ScopeConfig(), LimitsConfig(), StoreConfig()
+
 
 class IdempotencyMiddleware:
     def __init__(
@@ -68,11 +81,11 @@ class IdempotencyMiddleware:
         cache: ReplayCache | None = None,
         wakeups: Wakeups | None = None,
         scope_secret: bytes | str,
-        scope_headers: tuple[str, ...] = ("authorization",),
-        header_name: str = "Idempotency-Key",
-        max_request_body: int = 10 * 1024 * 1024,
-        store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED,
-        finalize_attempts: int = 3,
+        scope_headers: tuple[str, ...] = _SCOPE.headers,
+        header_name: str = DEFAULT_IDEMPOTENCY_HEADER,
+        max_request_body: int = _LIMITS.max_request_body,
+        store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE,
+        finalize_attempts: int = _STORE.finalize_attempts,
     ) -> None:
         self.app = app
         self.policy_for = resolver_for(policy)
@@ -87,9 +100,7 @@ class IdempotencyMiddleware:
             store=store,
             # ``is None``, not ``or``: an empty InProcessCache is falsy (it has a length), and
             # the gateway's own cache (the one the admin API clears) must be the one used.
-            cache=cache
-            if cache is not None
-            else InProcessCache(max_entries=10_000, max_bytes=64 * 1024 * 1024),
+            cache=cache if cache is not None else InProcessCache.sized_by(CacheConfig()),
             wakeups=wakeups if wakeups is not None else LocalWakeups(),
             finalize_attempts=finalize_attempts,
         )
