@@ -21,7 +21,7 @@ import time
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -241,6 +241,15 @@ def store_errors(operation: str) -> Iterator[None]:
         STORE_LATENCY.labels(operation).observe(time.perf_counter() - started)
 
 
+@asynccontextmanager
+async def store_connection(engine: AsyncEngine, operation: str) -> AsyncIterator[AsyncConnection]:
+    """A connection for one SQLAlchemy-side operation (admin, sweep, operator tables), its
+    errors translated and measured by ``store_errors``."""
+    with store_errors(operation):
+        async with engine.connect() as connection:
+            yield connection
+
+
 class RecordStore(ABC):
     """The durable home of idempotency records, shared by every gateway on one database.
 
@@ -278,11 +287,8 @@ class RecordStore(ABC):
             return db_now()
         return literal(self.clock())
 
-    @asynccontextmanager
-    async def _connection(self, operation: str) -> AsyncIterator[AsyncConnection]:
-        with store_errors(operation):
-            async with self.engine.connect() as connection:
-                yield connection
+    def _connection(self, operation: str) -> AbstractAsyncContextManager[AsyncConnection]:
+        return store_connection(self.engine, operation)
 
     async def ping(self) -> None:
         async with self._connection("ping") as connection:

@@ -22,7 +22,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, SecretStr
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException
 
 from idempotency_gateway.drain import DrainState
@@ -225,10 +224,6 @@ def create_admin_app(context: AdminContext) -> FastAPI:
             for item in error.errors()
         )
         return _problem_response(_invalid(problems))
-
-    @app.exception_handler(SQLAlchemyError)
-    async def store_error(_request: Request, _error: SQLAlchemyError) -> Response:
-        return _problem_response(StoreUnavailable("the database did not answer"))
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
         if context.admin_token is None:
