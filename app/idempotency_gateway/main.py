@@ -86,6 +86,27 @@ def _record_breaker_transition(upstream: str, old: BreakerState, new: BreakerSta
 
 
 class Gateway:
+    """The whole gateway as one ASGI app: the proxy stack and the admin API, with their
+    lifespan (store, upstream clients, wake-ups and background loops start and stop here).
+
+    ``create_gateway`` is this class. Requests on ``admin_port`` go to the admin app, every
+    other request to ``AccessLogMiddleware -> RouteRequests -> IdempotencyMiddleware ->
+    ProxyApp``. Shutdown waits up to ``DRAIN_TIMEOUT`` for executions in flight to record
+    their outcome before it closes anything.
+
+    Arguments:
+        config: the validated config file (``load_config``/``validate_config``).
+        database_url: the record store; ``None`` is the embedded SQLite file
+            (``EMBEDDED_DATABASE_URL``), migrated at startup.
+        redis_url: the shared replay cache and wake-ups; ``None`` keeps both in-process
+            (then admin deletes reach other workers through ``CacheInvalidations``).
+        admin_port: the local port whose connections get the admin app instead of the proxy.
+        admin_token: the bearer token of ``/admin/*``; ``None`` turns the operator API off.
+        scope_secret: the key of the scope hashes (``resolve_scope_secret`` says what
+            ``None`` means for each database).
+        drain: the drain flag shared by this process's workers (``/readyz`` fails while set).
+    """
+
     def __init__(
         self,
         config: GatewayConfig,

@@ -258,6 +258,10 @@ class RecordStore(ABC):
     expiry are judged by one clock: the database's on PostgreSQL (gateway hosts may disagree
     about the time), the host's on SQLite. ``clock`` pins the time instead; it exists for
     tests that move time by hand, never for production.
+
+    A database that does not answer surfaces as ``StoreUnavailable`` from every method, never
+    as a driver's own exception (``store_errors``). The store decides nothing about a record's
+    meaning: its compare-and-set writes report whether they matched, and ``machine`` decides.
     """
 
     def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:

@@ -99,6 +99,12 @@ class CircuitBreaker:
     (cancelled by a client that went away, or a bug of ours) is neither success nor failure:
     its permit is returned so the next caller can probe. Operators can pin the state through
     ``force`` (the admin API's overrides). Not thread-safe: one breaker per event loop.
+
+    Arguments:
+        name: the upstream's name, for errors, logs and ``on_transition``.
+        config: thresholds and timings (``BreakerConfig``).
+        clock: monotonic seconds; tests pass a clock they move by hand.
+        on_transition: called with (name, old state, new state) on every state change.
     """
 
     def __init__(
