@@ -332,7 +332,7 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         """``IN_PROGRESS`` records whose lease ran out: their owner died or stalled."""
         return [RecordView.of(record) for record in await context.store.list_stuck(limit=limit)]
 
-    async def change_record(key: RecordKey, change: str) -> dict[str, Any]:
+    async def change_record(key: RecordKey, change: str, request: Request) -> dict[str, Any]:
         # Cache out, record changed, cache out again: a replay that read the record just
         # before the change cannot leave a stale copy behind.
         cache_cleared = await context.cache.delete(key)
@@ -352,25 +352,20 @@ def create_admin_app(context: AdminContext) -> FastAPI:
             )
         if not changed:
             raise _not_found("no record for that scope, operation and key")
+        log_admin_action(
+            f"record {change}", client=request.client, scope=key.scope, operation=key.operation
+        )
         return {change: True}
 
     @app.delete("/admin/records", **admin, tags=["records"])
     async def delete_record(key: RecordKeyParam, request: Request) -> dict[str, Any]:
         """Delete a record and its cache entry: the key may execute again."""
-        result = await change_record(key, "deleted")
-        log_admin_action(
-            "record deleted", client=request.client, scope=key.scope, operation=key.operation
-        )
-        return result
+        return await change_record(key, "deleted", request)
 
     @app.post("/admin/records/expire", **admin, tags=["records"])
     async def expire_record(key: RecordKeyParam, request: Request) -> dict[str, Any]:
         """Expire a record now (it stays readable until swept): the key may execute again."""
-        result = await change_record(key, "expired")
-        log_admin_action(
-            "record expired", client=request.client, scope=key.scope, operation=key.operation
-        )
-        return result
+        return await change_record(key, "expired", request)
 
     def breaker_view(name: str, breaker: CircuitBreaker) -> BreakerView:
         snapshot = breaker.snapshot()
