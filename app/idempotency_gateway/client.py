@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Self
@@ -26,6 +25,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover - depends on the inst
         "the client helper needs httpx: pip install 'idempotency-gateway[client]'"
     ) from missing
 
+from idempotency_gateway.clock import Monotonic, monotonic
 from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
 
 IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
@@ -58,7 +58,7 @@ class IdempotentClient:
         cap: float = 5.0,
         deadline: float = 30.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Monotonic = monotonic,
         uniform: Callable[[float, float], float] = random.uniform,
     ) -> None:
         self.http = http or httpx.AsyncClient(base_url=base_url)

@@ -344,6 +344,12 @@ class LifecycleConfig(_Model):
     drain_grace: Duration = 5.0
 
 
+# Settings of the whole gateway that a library user of ``IdempotencyMiddleware`` meets too: its
+# keyword defaults read these (and the section models' defaults), so each is written once.
+DEFAULT_IDEMPOTENCY_HEADER: Final = "Idempotency-Key"
+DEFAULT_STORE_UNAVAILABLE: Final = StoreUnavailablePolicy.FAIL_CLOSED
+
+
 class GatewayConfig(_Model):
     upstreams: dict[str, UpstreamConfig] = Field(min_length=1)
     routes: tuple[RouteConfig, ...] = Field(min_length=1)
@@ -353,8 +359,8 @@ class GatewayConfig(_Model):
     cache: CacheConfig = CacheConfig()
     sweeper: SweeperConfig = SweeperConfig()
     lifecycle: LifecycleConfig = LifecycleConfig()
-    store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED
-    idempotency_header: str = "Idempotency-Key"
+    store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE
+    idempotency_header: str = DEFAULT_IDEMPOTENCY_HEADER
     trusted_proxies: tuple[IpNetwork, ...] = ()
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from idempotency_gateway.asgi import Receive, Scope, Send
+from idempotency_gateway.clock import utc_now
 from idempotency_gateway.config import (
     CacheConfig,
     EnvSettings,
@@ -35,7 +36,7 @@ from idempotency_gateway.idempotency.policy import RoutePolicies
 from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
-from idempotency_gateway.idempotency.store import RecordStore, utc_now
+from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.migrate import upgrade_to_head_async
 from idempotency_gateway.operations.admin import AdminContext, create_admin_app
@@ -71,10 +72,7 @@ def database_url_or_default(url: str | None) -> str:
 def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCache, Wakeups]:
     """Redis when configured (shared by every gateway process), else in-process."""
     if redis_url is None:
-        return (
-            InProcessCache(max_entries=config.max_entries, max_bytes=config.max_bytes),
-            LocalWakeups(),
-        )
+        return InProcessCache.sized_by(config), LocalWakeups()
     publisher = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
     subscriber = connect_redis(redis_url, timeout=None, connect_timeout=config.timeout)
     cache = RedisCache(publisher, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
@@ -88,6 +86,27 @@ def _record_breaker_transition(upstream: str, old: BreakerState, new: BreakerSta
 
 
 class Gateway:
+    """The whole gateway as one ASGI app: the proxy stack and the admin API, with their
+    lifespan (store, upstream clients, wake-ups and background loops start and stop here).
+
+    ``create_gateway`` is this class. Requests on ``admin_port`` go to the admin app, every
+    other request to ``AccessLogMiddleware -> RouteRequests -> IdempotencyMiddleware ->
+    ProxyApp``. Shutdown waits up to ``DRAIN_TIMEOUT`` for executions in flight to record
+    their outcome before it closes anything.
+
+    Arguments:
+        config: the validated config file (``load_config``/``validate_config``).
+        database_url: the record store; ``None`` is the embedded SQLite file
+            (``EMBEDDED_DATABASE_URL``), migrated at startup.
+        redis_url: the shared replay cache and wake-ups; ``None`` keeps both in-process
+            (then admin deletes reach other workers through ``CacheInvalidations``).
+        admin_port: the local port whose connections get the admin app instead of the proxy.
+        admin_token: the bearer token of ``/admin/*``; ``None`` turns the operator API off.
+        scope_secret: the key of the scope hashes (``resolve_scope_secret`` says what
+            ``None`` means for each database).
+        drain: the drain flag shared by this process's workers (``/readyz`` fails while set).
+    """
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -116,9 +135,9 @@ class Gateway:
         breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
         self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
         self.invalidations = (
-            CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
-            if isinstance(self.cache, InProcessCache)
-            else None
+            None
+            if self.cache.shared_across_workers
+            else CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
         )
         self.sweeper = Sweeper(self.store, config.sweeper)
         self.stuck_records = StuckRecordsSampler(self.store.count_stuck)
@@ -169,8 +188,7 @@ class Gateway:
             await client.start()
         for name in self.upstreams:
             BREAKER_STATE.labels(name).set(BREAKER_STATE_VALUES[BreakerState.CLOSED.value])
-        if isinstance(self.wakeups, RedisWakeups):
-            await self.wakeups.start()
+        await self.wakeups.start()
         self._background.append(asyncio.create_task(self.overrides.run()))
         if self.invalidations is not None:
             self._background.append(asyncio.create_task(self.invalidations.run()))
@@ -212,25 +230,8 @@ class Gateway:
                 return
 
 
-def create_gateway(
-    config: GatewayConfig,
-    *,
-    database_url: str | None = None,
-    redis_url: str | None = None,
-    admin_port: int | None = None,
-    admin_token: SecretStr | None = None,
-    scope_secret: SecretStr | None = None,
-    drain: DrainState | None = None,
-) -> Gateway:
-    return Gateway(
-        config,
-        database_url=database_url,
-        redis_url=redis_url,
-        admin_port=admin_port,
-        admin_token=admin_token,
-        scope_secret=scope_secret,
-        drain=drain,
-    )
+# The name the docs and the server factory use; one signature, so its defaults live once.
+create_gateway = Gateway
 
 
 def gateway_from_environment() -> Gateway:

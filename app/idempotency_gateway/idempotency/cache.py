@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Protocol
 
 import orjson
 
+from idempotency_gateway.clock import Clock, Monotonic, monotonic, utc_now
+from idempotency_gateway.config import CacheConfig
 from idempotency_gateway.idempotency.record import (
     REPLAYABLE,
     Record,
@@ -111,6 +112,14 @@ def decode(raw: bytes, expected: RecordKey) -> CachedAnswer | None:
 
 
 class ReplayCache(Protocol):
+    """What the engine, the admin API and the gateway's assembly need of a replay cache;
+    none of them looks at the concrete class."""
+
+    # True when every worker reads the same entries (Redis): one delete reaches them all.
+    # False for a cache each process keeps for itself: an operator's delete then reaches the
+    # other processes only through ``CacheInvalidations``.
+    shared_across_workers: bool
+
     async def get(self, key: RecordKey) -> CachedAnswer | None: ...
 
     async def put(self, answer: CachedAnswer) -> bool:
@@ -120,26 +129,47 @@ class ReplayCache(Protocol):
 
     async def delete(self, key: RecordKey) -> bool: ...
 
+    def invalidate(self, keys: Iterable[RecordKey]) -> None:
+        """Drop this process's own copies of records an operator changed, and keep them out
+        for a while (``INVALIDATION_GUARD``). A shared cache keeps no copies of its own."""
+        ...
+
+    def clear(self) -> None:
+        """Drop every copy this process keeps of its own (a shared cache keeps none)."""
+        ...
+
+    async def health(self) -> str:
+        """What readiness reports for the cache: it never makes the gateway unready."""
+        ...
+
     async def close(self) -> None: ...
 
 
 class InProcessCache:
     """A bounded LRU for the embedded default: by entry count and by total body bytes."""
 
+    shared_across_workers = False
+
     def __init__(
         self,
         *,
         max_entries: int,
         max_bytes: int,
-        monotonic: Callable[[], float] = time.monotonic,
+        clock: Clock = utc_now,
+        monotonic: Monotonic = monotonic,
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._entries: OrderedDict[RecordKey, CachedAnswer] = OrderedDict()
         self._bytes = 0
+        self._clock = clock
         self._monotonic = monotonic
         # Key -> until when puts of it are refused (see INVALIDATION_GUARD).
         self._guarded: dict[RecordKey, float] = {}
+
+    @classmethod
+    def sized_by(cls, config: CacheConfig) -> InProcessCache:
+        return cls(max_entries=config.max_entries, max_bytes=config.max_bytes)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -150,7 +180,7 @@ class InProcessCache:
 
     async def get(self, key: RecordKey) -> CachedAnswer | None:
         answer = self._entries.get(key)
-        if answer is not None and not answer.is_live(datetime.now(UTC)):
+        if answer is not None and not answer.is_live(self._clock()):
             self._remove(key)
             answer = None
         if answer is None:
@@ -196,6 +226,9 @@ class InProcessCache:
         answer = self._entries.pop(key, None)
         if answer is not None:
             self._bytes -= len(answer.response.body)
+
+    async def health(self) -> str:
+        return "in-process"
 
     async def close(self) -> None:
         self.clear()

@@ -69,6 +69,10 @@ class KeyedRequest:
     def config(self) -> IdempotencyConfig:
         return self.policy.config
 
+    def problem(self, error: GatewayError) -> StoredResponse:
+        """An answer the gateway makes itself for this request, in the form the store keeps."""
+        return stored_problem(error, request_id_of(self.scope), self.config.error_format)
+
 
 def _mismatch() -> KeyReusedWithDifferentRequest:
     return KeyReusedWithDifferentRequest(
@@ -173,14 +177,12 @@ class IdempotencyEngine:
             "took over an abandoned record; outcome unknown, not executing again",
             extra={"route": request.policy.name, "fencing_token": record.fencing_token},
         )
-        answer = stored_problem(
+        answer = request.problem(
             OutcomeUnknown(
                 "an earlier request with this Idempotency-Key was sent upstream but its "
                 "answer was lost; it may or may not have been executed. Use a new key only "
                 "after checking the resource's state."
             ),
-            request_id_of(request.scope),
-            request.config.error_format,
         )
         run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
         recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
@@ -226,7 +228,10 @@ class IdempotencyEngine:
         status = classify(capture.status or 500, execution.outcome, request.config)
         answer = self._answer_to_store(request, capture, status)
         recorded, published = await self._record(request, run, status, answer)
-        if not recorded:
+        if recorded:
+            # An app that raised before answering: the client gets what every retry will see.
+            instead = answer or request.problem(OutcomeUnknown("the app failed"))
+        else:
             # Fenced off, or the store is down: this answer is not the key's answer of record
             # (a newer owner's may be, or an "outcome unknown" later), so the client must not
             # take it as final. Its retry with the key gets the answer of record.
@@ -235,17 +240,8 @@ class IdempotencyEngine:
                 "fenced off" if run.fenced else "store unavailable",
                 extra={"route": request.policy.name, "fencing_token": record.fencing_token},
             )
-            await capture.withdraw(self._not_of_record(request, run))
-        elif not capture.started:
-            # The app raised before answering: give the client what every retry will see.
-            fallback = stored_problem(
-                OutcomeUnknown("the app failed"),
-                request_id_of(request.scope),
-                request.config.error_format,
-            )
-            await send_stored(capture.send, answer or fallback, replayed=False)
-        if recorded:
-            await capture.release()
+            instead = self._not_of_record(request, run)
+        await capture.finish(recorded=recorded, instead=instead)
         # Waiters re-read the store whatever happened (even a fenced finalize is news); waking
         # them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
@@ -258,10 +254,8 @@ class IdempotencyEngine:
             return None
         if capture.complete:
             return capture.stored_response()
-        return stored_problem(
-            OutcomeUnknown("the answer to this request was cut off; its outcome is unknown"),
-            request_id_of(request.scope),
-            request.config.error_format,
+        return request.problem(
+            OutcomeUnknown("the answer to this request was cut off; its outcome is unknown")
         )
 
     @staticmethod
@@ -279,7 +273,7 @@ class IdempotencyEngine:
                 "the answer could not be recorded; retry with the same key to get the "
                 "answer of record"
             )
-        return stored_problem(error, request_id_of(request.scope), request.config.error_format)
+        return request.problem(error)
 
     async def _record(
         self, request: KeyedRequest, run: OwnerRun, status: Status, answer: StoredResponse | None

@@ -20,7 +20,17 @@ from idempotency_gateway.asgi import (
     read_body,
     replay_receive,
 )
-from idempotency_gateway.config import AnonymousPolicy, KeyPolicy, StoreUnavailablePolicy
+from idempotency_gateway.config import (
+    DEFAULT_IDEMPOTENCY_HEADER,
+    DEFAULT_STORE_UNAVAILABLE,
+    AnonymousPolicy,
+    CacheConfig,
+    KeyPolicy,
+    LimitsConfig,
+    ScopeConfig,
+    StoreConfig,
+    StoreUnavailablePolicy,
+)
 from idempotency_gateway.errors import (
     CredentialRequired,
     GatewayError,
@@ -57,8 +67,43 @@ from idempotency_gateway.telemetry.request_log import (
 
 log = logging.getLogger(__name__)
 
+# The gateway's config sections with nothing set: a library user gets the gateway's defaults.
+_SCOPE, _LIMITS, _STORE = ScopeConfig(), LimitsConfig(), StoreConfig()
+
 
 class IdempotencyMiddleware:
+    """Pure ASGI middleware: a keyed request on a covered route executes at most once per
+    ``(scope, operation, key)``; its duplicates get the recorded answer (marked
+    ``Idempotent-Replayed: true``), a 409 while the first runs, or a 422 when the key comes
+    with a different request. Everything else goes straight to ``app``.
+
+    The wrapped app finds the execution's key and fencing token in
+    ``scope["state"]["idempotency"]`` (``request.state.idempotency`` in Starlette/FastAPI) and
+    may report an ``Outcome`` there. Defaults match the gateway's config file defaults.
+
+    Arguments:
+        app: the ASGI app to protect.
+        store: where records live (``RecordStore.from_url``); shared by every process that
+            serves the same keys.
+        policy: which requests are covered, and how: one ``IdempotencyConfig`` for every path,
+            a ``{path_prefix: IdempotencyConfig}`` mapping, or a function of the canonical
+            path returning a ``RoutePolicy`` or ``None`` (``PolicySource``).
+        cache: the replay fast path; ``None`` is an in-process LRU sized like the gateway's
+            ``cache`` section (pass a ``RedisCache`` to share it across processes).
+        wakeups: how ``Prefer: wait`` duplicates learn their owner finished; ``None`` wakes
+            waiters in this process only.
+        scope_secret: the key of the HMAC that turns credentials into scope hashes; the same
+            in every process sharing the store, so the same client maps to the same scope.
+        scope_headers: the request headers whose values identify the client (its scope).
+        header_name: the request header that carries the idempotency key.
+        max_request_body: keyed request bodies are read whole (to fingerprint them); larger
+            ones are refused with 413 before any store access.
+        store_unavailable: with the store down, refuse keyed requests (``FAIL_CLOSED``, a 503)
+            or pass them through unprotected (``PASS_THROUGH``).
+        finalize_attempts: how often recording an outcome is tried before the answer is
+            withheld from the client (its retry then gets the answer of record).
+    """
+
     def __init__(
         self,
         app: ASGIApp,
@@ -68,11 +113,11 @@ class IdempotencyMiddleware:
         cache: ReplayCache | None = None,
         wakeups: Wakeups | None = None,
         scope_secret: bytes | str,
-        scope_headers: tuple[str, ...] = ("authorization",),
-        header_name: str = "Idempotency-Key",
-        max_request_body: int = 10 * 1024 * 1024,
-        store_unavailable: StoreUnavailablePolicy = StoreUnavailablePolicy.FAIL_CLOSED,
-        finalize_attempts: int = 3,
+        scope_headers: tuple[str, ...] = _SCOPE.headers,
+        header_name: str = DEFAULT_IDEMPOTENCY_HEADER,
+        max_request_body: int = _LIMITS.max_request_body,
+        store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE,
+        finalize_attempts: int = _STORE.finalize_attempts,
     ) -> None:
         self.app = app
         self.policy_for = resolver_for(policy)
@@ -87,9 +132,7 @@ class IdempotencyMiddleware:
             store=store,
             # ``is None``, not ``or``: an empty InProcessCache is falsy (it has a length), and
             # the gateway's own cache (the one the admin API clears) must be the one used.
-            cache=cache
-            if cache is not None
-            else InProcessCache(max_entries=10_000, max_bytes=64 * 1024 * 1024),
+            cache=cache if cache is not None else InProcessCache.sized_by(CacheConfig()),
             wakeups=wakeups if wakeups is not None else LocalWakeups(),
             finalize_attempts=finalize_attempts,
         )

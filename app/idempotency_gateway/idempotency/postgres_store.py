@@ -19,13 +19,13 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from idempotency_gateway.clock import Clock
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency import postgres_sql as sql
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status
 from idempotency_gateway.idempotency.store import (
     Claim,
-    Clock,
     RecordStore,
     Reservation,
     StoredColumns,

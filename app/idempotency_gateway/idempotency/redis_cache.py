@@ -16,19 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from datetime import datetime
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from redis.asyncio import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from idempotency_gateway.clock import Clock, utc_now
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
 from idempotency_gateway.idempotency.cache import CachedAnswer, cache_key, decode, encode
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.redis_connection import RedisClient
-from idempotency_gateway.idempotency.store import utc_now
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, CACHE_LOOKUPS
@@ -66,13 +65,15 @@ FAILED = _Failed()
 
 
 class RedisCache:
+    shared_across_workers = True
+
     def __init__(
         self,
         redis: RedisClient,
         *,
         timeout: float,
         max_entry_bytes: int,
-        clock: Callable[[], datetime] = utc_now,
+        clock: Clock = utc_now,
         breaker: CircuitBreaker | None = None,
     ) -> None:
         self.redis = redis
@@ -150,6 +151,13 @@ class RedisCache:
         return (
             await self._guarded("delete", lambda: self.redis.delete(cache_key(key))) is not FAILED
         )
+
+    def invalidate(self, keys: Iterable[RecordKey]) -> None:
+        """Nothing to drop: every process reads the one copy in Redis, which the admin API
+        deletes itself."""
+
+    def clear(self) -> None:
+        """Nothing to drop: this process keeps no copies of its own."""
 
     async def ping(self) -> bool:
         return await self._guarded("ping", self.redis.ping) is True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from enum import Enum
 
 from idempotency_gateway.asgi import Headers, Message, Send
 from idempotency_gateway.config import ErrorFormat
@@ -30,6 +31,23 @@ _NOT_STORED = frozenset(
 )
 
 
+class Phase(Enum):
+    """Where a captured answer stands. Only ``finish`` leaves the capturing phases."""
+
+    AWAITING_HEAD = "awaiting head"  # the app has sent nothing yet
+    STREAMING = "streaming"  # the head is in, the body is still coming
+    COMPLETE = "complete"  # the app's whole answer is in; its end is held back
+    # The app's head carried no final status: a 502 problem took its place (whole, its end
+    # held back) and whatever the app sends after is dropped.
+    REPLACED = "replaced"
+    RELEASED = "released"  # finished: the client has its whole answer
+    WITHDRAWN = "withdrawn"  # finished: the app's answer never reaches the client whole
+
+
+_CAPTURING = frozenset({Phase.AWAITING_HEAD, Phase.STREAMING})
+_WHOLE = frozenset({Phase.COMPLETE, Phase.REPLACED})
+
+
 class ResponseCapture:
     """Wraps ``send``: every message goes to the client at once and is teed for storage.
 
@@ -37,7 +55,7 @@ class ResponseCapture:
     client as gone; capture continues and the answer is still stored for the retry.
 
     The message that completes the client's answer (the end of the body, or the chunk that
-    reaches its Content-Length) is held back until ``release()``: a client that has its whole
+    reaches its Content-Length) is held back until ``finish``: a client that has its whole
     answer may retry at once, and must then find the record final, not a 409.
     """
 
@@ -45,31 +63,36 @@ class ResponseCapture:
         self._send = send
         self._limit = max_stored_body
         self._error_format = error_format
+        self.phase = Phase.AWAITING_HEAD
         self._chunks: list[bytes] = []
         self._size = 0
         self.status: int | None = None
         self.headers: Headers = []
         self.body_omitted = False
-        self.complete = False
+        # The client's connection, which fails independently of what the app sends.
         self.client_gone = False
-        # The messages that would complete the client's answer, held back until release().
+        # The messages that would complete the client's answer, held back until finish().
         self._held: list[Message] = []
         self._declared_length: int | None = None
         self._body_seen = 0
-        # The app's answer was replaced by a problem: the rest of what it sends is dropped.
-        self._replaced = False
 
     @property
     def started(self) -> bool:
         return self.status is not None
 
+    @property
+    def complete(self) -> bool:
+        """The app's answer (or the problem that replaced it) is whole."""
+        return self.phase in _WHOLE
+
     async def send(self, message: Message) -> None:
-        if self._replaced:
+        if self.phase not in _CAPTURING:
             return
         if message["type"] == "http.response.start" and not is_final_status(message["status"]):
             await self._replace_invalid(message["status"])
             return
         if message["type"] == "http.response.start":
+            self.phase = Phase.STREAMING
             self.status = message["status"]
             self.headers = list(message.get("headers", []))
             self._declared_length = _content_length(self.headers)
@@ -82,7 +105,7 @@ class ResponseCapture:
             self._tee(body)
             self._body_seen += len(body)
             if not message.get("more_body", False):
-                self.complete = True
+                self.phase = Phase.COMPLETE
             # With Content-Length framing the chunk that reaches the length already completes
             # the answer for the client, before the empty closing message arrives.
             if self.complete or self._held or self._body_seen == self._declared_length:
@@ -100,24 +123,27 @@ class ResponseCapture:
         log.error("replacing an invalid response status: %s", error.detail)
         problem = stored_problem(error, request_id=None, error_format=self._error_format)
         await send_stored(self.send, problem, replayed=False)
-        self._replaced = True
+        self.phase = Phase.REPLACED
 
-    async def release(self) -> None:
-        """Send the held-back end of the response (call once the record is final)."""
-        held, self._held = self._held, []
-        for message in held:
-            await self._forward(message)
+    async def finish(self, *, recorded: bool, instead: StoredResponse) -> None:
+        """End the client's answer, once the record's outcome is settled; call exactly once.
 
-    async def withdraw(self, replacement: StoredResponse) -> None:
-        """Never complete this answer. Before its head went out the client gets
-        ``replacement`` instead; after, the answer stays cut short (the server closes the
-        connection), so the client cannot mistake it for a whole one and retries."""
+        ``recorded``: the held-back end of the answer goes out; an app that never answered
+        is answered with ``instead``. Not recorded: the answer is never completed. Before its
+        head went out the client gets ``instead``; after, the answer stays cut short (the
+        server closes the connection), so the client cannot mistake it for a whole one and
+        retries."""
+        assert self.phase not in (Phase.RELEASED, Phase.WITHDRAWN), "finished twice"
         head_sent = self.started and not any(
             message["type"] == "http.response.start" for message in self._held
         )
-        self._held = []
-        if not head_sent:
-            await send_stored(self._forward, replacement, replayed=False)
+        held, self._held = self._held, []
+        self.phase = Phase.RELEASED if recorded else Phase.WITHDRAWN
+        if recorded and self.started:
+            for message in held:
+                await self._forward(message)
+        elif not head_sent:
+            await send_stored(self._forward, instead, replayed=False)
 
     async def _forward(self, message: Message) -> None:
         if self.client_gone:

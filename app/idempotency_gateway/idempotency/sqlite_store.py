@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from idempotency_gateway.clock import Clock
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency import sqlite_sql as sql
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status
 from idempotency_gateway.idempotency.store import (
     Claim,
-    Clock,
     RecordStore,
     Reservation,
     StoredColumns,

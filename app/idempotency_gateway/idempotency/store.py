@@ -20,8 +20,8 @@ import sqlite3
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -46,14 +46,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.functions import now as db_now
 
+from idempotency_gateway.clock import Clock, utc_now
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
 from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY
-
-Clock = Callable[[], datetime]
 
 # Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
 SWEEP_LOCK_ID = 0x1DE4_9A7E
@@ -63,10 +62,6 @@ _ADMIN_POOL_SIZE = 2
 
 # Bodies below this size are stored as they are: compressing them saves nothing worth a CPU.
 _COMPRESS_FROM = 1024
-
-
-def utc_now() -> datetime:
-    return datetime.now(UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +241,15 @@ def store_errors(operation: str) -> Iterator[None]:
         STORE_LATENCY.labels(operation).observe(time.perf_counter() - started)
 
 
+@asynccontextmanager
+async def store_connection(engine: AsyncEngine, operation: str) -> AsyncIterator[AsyncConnection]:
+    """A connection for one SQLAlchemy-side operation (admin, sweep, operator tables), its
+    errors translated and measured by ``store_errors``."""
+    with store_errors(operation):
+        async with engine.connect() as connection:
+            yield connection
+
+
 class RecordStore(ABC):
     """The durable home of idempotency records, shared by every gateway on one database.
 
@@ -254,6 +258,10 @@ class RecordStore(ABC):
     expiry are judged by one clock: the database's on PostgreSQL (gateway hosts may disagree
     about the time), the host's on SQLite. ``clock`` pins the time instead; it exists for
     tests that move time by hand, never for production.
+
+    A database that does not answer surfaces as ``StoreUnavailable`` from every method, never
+    as a driver's own exception (``store_errors``). The store decides nothing about a record's
+    meaning: its compare-and-set writes report whether they matched, and ``machine`` decides.
     """
 
     def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:
@@ -283,11 +291,8 @@ class RecordStore(ABC):
             return db_now()
         return literal(self.clock())
 
-    @asynccontextmanager
-    async def _connection(self, operation: str) -> AsyncIterator[AsyncConnection]:
-        with store_errors(operation):
-            async with self.engine.connect() as connection:
-                yield connection
+    def _connection(self, operation: str) -> AbstractAsyncContextManager[AsyncConnection]:
+        return store_connection(self.engine, operation)
 
     async def ping(self) -> None:
         async with self._connection("ping") as connection:

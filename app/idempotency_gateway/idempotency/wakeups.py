@@ -43,6 +43,10 @@ channel_for = wakeup_channel
 
 
 class Wakeups(Protocol):
+    async def start(self) -> None:
+        """Begin listening for wake-ups from other processes, if there are any to hear."""
+        ...
+
     async def wait(self, key: RecordKey, timeout: float) -> bool: ...  # noqa: ASYNC109
 
     async def notify(self, key: RecordKey, *, published: bool = False) -> None:
@@ -59,6 +63,9 @@ class LocalWakeups:
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
+
+    async def start(self) -> None:
+        """Nothing to listen to: every waiter's owner runs in this process."""
 
     @property
     def parked(self) -> int:

@@ -14,10 +14,11 @@ from datetime import datetime
 
 from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency.schema import breaker_overrides
+from idempotency_gateway.idempotency.store import store_connection
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
@@ -49,7 +50,7 @@ class BreakerOverrides:
 
     async def set(self, upstream: str, state: BreakerState | None) -> None:
         """Force ``upstream``'s breaker fleet-wide (``None``: back to normal operation)."""
-        async with self.engine.connect() as connection:
+        async with store_connection(self.engine, "breaker_override_set") as connection:
             if state is None:
                 await connection.execute(
                     delete(breaker_overrides).where(breaker_overrides.c.upstream == upstream)
@@ -65,7 +66,7 @@ class BreakerOverrides:
         self._apply(upstream, state)
 
     async def sync_once(self) -> None:
-        async with self.engine.connect() as connection:
+        async with store_connection(self.engine, "breaker_override_sync") as connection:
             rows = (await connection.execute(select(breaker_overrides))).all()
         wanted = {row.upstream: BreakerState(row.state) for row in rows}
         for upstream in self.breakers:
@@ -84,6 +85,6 @@ class BreakerOverrides:
         while True:
             try:
                 await self.sync_once()
-            except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            except StoreUnavailable as exc:
                 self.degradation.failed(exc)
             await asyncio.sleep(self.interval)

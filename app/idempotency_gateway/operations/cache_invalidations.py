@@ -16,12 +16,13 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, insert, select
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from idempotency_gateway.idempotency.cache import InProcessCache
+from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.idempotency.cache import ReplayCache
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.schema import cache_invalidations
+from idempotency_gateway.idempotency.store import store_connection
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class CacheInvalidations:
     def __init__(
         self,
         engine: AsyncEngine,
-        cache: InProcessCache,
+        cache: ReplayCache,
         *,
         clock: Callable[[], datetime],
         interval: float = POLL_INTERVAL,
@@ -54,7 +55,7 @@ class CacheInvalidations:
     async def publish(self, key: RecordKey) -> None:
         """Tell every process to drop ``key``; this process drops it at once."""
         self.cache.invalidate([key])
-        async with self.engine.begin() as connection:
+        async with store_connection(self.engine, "invalidation_publish") as connection:
             await connection.execute(
                 insert(cache_invalidations).values(
                     scope=key.scope,
@@ -65,7 +66,10 @@ class CacheInvalidations:
             )
 
     async def poll_once(self) -> None:
-        async with self.engine.begin() as connection:
+        async with (
+            store_connection(self.engine, "invalidation_poll") as connection,
+            connection.begin(),
+        ):
             if self._seen is None:
                 # A starting process has nothing cached: only later invalidations concern it.
                 newest = (await connection.execute(select(func.max(_table.id)))).scalar()
@@ -91,7 +95,7 @@ class CacheInvalidations:
         while True:
             try:
                 await self.poll_once()
-            except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            except StoreUnavailable as exc:
                 self.degradation.failed(exc)
                 self.cache.clear()
             await asyncio.sleep(self.interval)

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from idempotency_gateway.asgi import Headers, first_header
+from idempotency_gateway.clock import Monotonic, monotonic
 
 REQUEST_TIMEOUT_HEADER = b"x-request-timeout"
 
 
 class Deadline:
-    def __init__(self, budget: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, budget: float, *, clock: Monotonic = monotonic) -> None:
         self._clock = clock
         self._ends_at = clock() + budget
 
     @classmethod
     def for_request(
-        cls, headers: Headers, total: float, *, clock: Callable[[], float] = time.monotonic
+        cls, headers: Headers, total: float, *, clock: Monotonic = monotonic
     ) -> Deadline:
         """The route's total timeout, shortened by the client's ``X-Request-Timeout``."""
         budget = total

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from idempotency_gateway.clock import Monotonic, monotonic
 from idempotency_gateway.config import CONNECT_FAILURE, UpstreamConfig
 from idempotency_gateway.errors import (
     CircuitOpen,
@@ -70,11 +71,29 @@ Sleep = Callable[[float], Awaitable[None]]
 
 
 class ResilientUpstream:
+    """One upstream behind its retry loop, circuit breaker and retry budget.
+
+    ``open(make_request, deadline=..., plan=...)`` runs attempts until one answers with
+    something to give the client, or raises the ``GatewayError`` that says why not
+    (``CircuitOpen``, ``DeadlineExhausted``, the last attempt's failure). Each attempt asks
+    the breaker first and reports its verdict to it; a retry happens only when ``plan`` says
+    the request allows it, the budget has room, and the pause fits in the deadline.
+
+    Arguments:
+        client: the upstream's HTTP client; its ``config`` supplies retry, breaker and
+            budget settings.
+        clock: monotonic seconds for the breaker and the budget (tests move it by hand).
+        sleep: how the loop pauses between attempts (tests skip the wait).
+        uniform: the jitter source of the backoff (tests make it deterministic).
+        on_breaker_transition: called with (upstream, old state, new state) on every change
+            of the breaker, for logs and metrics.
+    """
+
     def __init__(
         self,
         client: UpstreamClient,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Monotonic = monotonic,
         sleep: Sleep = asyncio.sleep,
         uniform: Callable[[float, float], float] = random.uniform,
         on_breaker_transition: TransitionListener | None = None,

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
+from idempotency_gateway.clock import utc_now
+
 
 def full_jitter(
     attempt: int,
@@ -53,4 +55,4 @@ def parse_retry_after(value: str | None, *, now: datetime | None = None) -> floa
         return None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return max(0.0, (moment - (now or datetime.now(UTC))).total_seconds())
+    return max(0.0, (moment - (now or utc_now())).total_seconds())

@@ -15,13 +15,13 @@ hands a half-open permit back, so no lost call can keep a breaker refusing for g
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
 from typing import Self
 
+from idempotency_gateway.clock import Monotonic, monotonic
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
 from idempotency_gateway.resilience.window import SlidingCounter
@@ -99,6 +99,12 @@ class CircuitBreaker:
     (cancelled by a client that went away, or a bug of ours) is neither success nor failure:
     its permit is returned so the next caller can probe. Operators can pin the state through
     ``force`` (the admin API's overrides). Not thread-safe: one breaker per event loop.
+
+    Arguments:
+        name: the upstream's name, for errors, logs and ``on_transition``.
+        config: thresholds and timings (``BreakerConfig``).
+        clock: monotonic seconds; tests pass a clock they move by hand.
+        on_transition: called with (name, old state, new state) on every state change.
     """
 
     def __init__(
@@ -106,7 +112,7 @@ class CircuitBreaker:
         name: str,
         config: BreakerConfig,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Monotonic = monotonic,
         on_transition: TransitionListener | None = None,
     ) -> None:
         self.name = name

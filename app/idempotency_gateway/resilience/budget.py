@@ -8,9 +8,7 @@ client retrying independently multiplies its load; a budget caps that multiplica
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
+from idempotency_gateway.clock import Monotonic, monotonic
 from idempotency_gateway.resilience.window import SlidingCounter
 
 
@@ -21,7 +19,7 @@ class RetryBudget:
         ratio: float,
         min_per_second: float,
         window: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Monotonic = monotonic,
     ) -> None:
         self.ratio = ratio
         self.min_per_second = min_per_second

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable
+
+from idempotency_gateway.clock import Monotonic, monotonic
 
 # Buckets per window: fine enough that old events fall out smoothly, few enough to sum fast.
 _BUCKETS = 10
@@ -13,7 +13,7 @@ _BUCKETS = 10
 class SlidingCounter:
     """How many events happened in the last ``window`` seconds (to 1/10 of the window)."""
 
-    def __init__(self, window: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, window: float, *, clock: Monotonic = monotonic) -> None:
         self._clock = clock
         self._width = window / _BUCKETS
         self._buckets: deque[tuple[int, int]] = deque()  # (bucket index, count)
