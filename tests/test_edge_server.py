@@ -220,7 +220,7 @@ async def test_tunnels_and_non_http_bytes_are_refused_before_anything_is_forward
     async with edge_gateway(tmp_path, postgres_url, upstream.url) as gateway:
         tunnel = parse_reply(await exchange(gateway.port, connect))
         malformed = parse_reply(await exchange(gateway.port, garbage))
-    assert_closing_problem(tunnel, 501, "tunnel-refused")
+    assert_closing_problem(tunnel, 400, "tunnel-refused")
     assert_closing_problem(malformed, 400, "malformed-request")
     assert upstream.total == 0
 

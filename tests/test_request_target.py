@@ -52,7 +52,7 @@ EXPECTED_PROBLEMS = {
     "operation-too-long": 414,
     # The HTTP server layer's own refusals, before any app code runs.
     "malformed-request": 400,
-    "tunnel-refused": 501,
+    "tunnel-refused": 400,
 }
 
 
@@ -181,12 +181,12 @@ def slug(reply: Reply) -> str:
 
 def parser_refused(reply: Reply) -> bool:
     """The HTTP server layer's own refusal: the target was no URL at all (400) or asked for a
-    tunnel (501), and no app code ran."""
+    tunnel (also 400), and no app code ran."""
     if not reply.headers.get("content-type", "").startswith("application/problem+json"):
         return False
     return (reply.status, slug(reply)) in {
         (400, "malformed-request"),
-        (501, "tunnel-refused"),
+        (400, "tunnel-refused"),
     }
 
 

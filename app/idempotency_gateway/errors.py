@@ -18,7 +18,7 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
     │   ├── OperationTooLong              414
     │   ├── KeyReusedWithDifferentRequest 422
     │   ├── RequestHeadTooLarge           431, then the connection closes
-    │   └── TunnelRefused                 501, CONNECT: the gateway is no tunnel
+    │   └── TunnelRefused                 400, CONNECT (authority-form): the gateway is no tunnel
     ├── TooManyConnections              the worker's connection cap is reached (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     ├── AdminError                      the admin API refuses (its own statuses)
@@ -121,7 +121,9 @@ class RequestHeadTooLarge(RequestRejected):
 
 
 class TunnelRefused(RequestRejected):
-    status = 501
+    """An authority-form target (``CONNECT host:port``): like every target that is not a path,
+    a 400, so no form of request line can make the gateway open a connection of its choice."""
+
     slug = "tunnel-refused"
     title = "CONNECT is not supported"
 
