@@ -23,6 +23,7 @@ from idempotency_gateway.idempotency.cache import CachedAnswer, cache_key
 from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
+from idempotency_gateway.idempotency.wakeups import RedisWakeups
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from tests.support.redis_nodes import RedisNode
 from tests.support.waiting import eventually
@@ -197,4 +198,43 @@ async def test_a_probe_failing_with_an_error_reply_reports_and_recovers(
         assert await cache.put(answer_for(fresh_key)) is True  # SET replaces the list
         assert state_of(breaker) is BreakerState.CLOSED
     finally:
+        await cache.close()
+
+
+async def test_a_client_library_failure_of_any_kind_degrades_and_never_reaches_the_caller(
+    node: RedisNode, fresh_key: RecordKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What redis-py's cluster client raised in a fault run when a node's connection was
+    # dropped by a concurrent reconnect: not a RedisError, and it cut a client's answer short.
+    cache = RedisCache(
+        connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
+        timeout=2.0,
+        max_entry_bytes=4096,
+    )
+    wakeups = RedisWakeups(
+        subscriber=connect_redis(node.url, timeout=None, connect_timeout=2.0),
+        publisher=connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
+        timeout=2.0,
+    )
+    try:
+        assert await cache.ping()
+
+        async def torn(connection: AbstractConnection, *args: Any, **kwargs: Any) -> None:
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", torn)
+
+        assert await cache.get(fresh_key) is None
+        assert await cache.put(answer_for(fresh_key)) is False
+        await wakeups.notify(fresh_key)  # must not raise
+        assert wakeups.degradation.failures >= 1
+
+        monkeypatch.undo()
+        assert await cache.put(answer_for(fresh_key)) is True
+        assert await cache.get(fresh_key) is not None
+    finally:
+        await wakeups.close()
+        # The wake-ups do not own their clients (the gateway shares the cache's publisher).
+        await wakeups.publisher.aclose()
+        await wakeups.redis.aclose()
         await cache.close()
