@@ -32,8 +32,8 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.store import Claim, RecordStore
 from idempotency_gateway.migrate import alembic_config
-from tests.conftest import ManualClock
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
+from tests.support.clock import ManualClock
 from tests.support.servers import PROJECT_ROOT
 
 CLI = (sys.executable, "-m", "idempotency_gateway.cli")
@@ -227,7 +227,7 @@ def test_migrate_on_postgresql_can_run_again(
 async def test_sweep_deletes_expired_records_and_says_how_many(
     sqlite_url: str, clock: ManualClock
 ) -> None:
-    store = RecordStore.from_url(sqlite_url, StoreConfig(), clock=clock)
+    store = RecordStore.from_url(sqlite_url, StoreConfig(), clock=clock.utc)
     expired = RecordKey("anonymous", "POST /v1/orders", "expired-order")
     live = RecordKey("anonymous", "POST /v1/orders", "live-order")
     try:

@@ -30,6 +30,7 @@ from idempotency_gateway.idempotency import IdempotencyMiddleware
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
 from tests.support.gateway import gateway_config, route
+from tests.support.servers import TEST_SCOPE_SECRET
 
 READ_BOUND = 15.0
 CHARGES = "/v1/charges"
@@ -317,7 +318,10 @@ async def test_a_library_app_answering_an_invalid_status_stores_a_502_problem(
         await send({"type": "http.response.body", "body": b"never stored"})
 
     app = IdempotencyMiddleware(
-        broken_app, store=store, policy={"/": IdempotencyConfig(key="required")}
+        broken_app,
+        store=store,
+        policy={"/": IdempotencyConfig(key="required")},
+        scope_secret=TEST_SCOPE_SECRET,
     )
     charge = request("POST", CHARGES, [("Idempotency-Key", new_key())], b"{}")
     async with serve_asgi(app, lifespan="off") as url:

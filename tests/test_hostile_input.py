@@ -358,7 +358,8 @@ def test_any_idempotency_key_field_gets_a_clear_answer(
         assert problem_slug(reply) == "idempotency-key-invalid"
         assert hostile.executions_of(tenant) == []
     else:
-        execution = assert_proxied_once(hostile, tenant, assert_clear_answer(reply), CHARGE)
+        answer = assert_clear_answer(reply)
+        execution = assert_proxied_once(hostile, tenant, answer, CHARGE)
         # Forwarded as the bare key, whichever form the client wrote it in.
         key = expected_key(values)
         assert key is not None
@@ -366,7 +367,7 @@ def test_any_idempotency_key_field_gets_a_clear_answer(
         again = hostile.send(request_bytes(b"POST", CHARGES.encode(), headers, CHARGE))
         assert again is not None
         assert again.headers.get("idempotent-replayed") == "true"
-        assert (again.status, again.body) == (reply.status, reply.body)
+        assert (again.status, again.body) == (answer.status, answer.body)
     assert_still_answers(hostile)
 
 

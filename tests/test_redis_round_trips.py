@@ -24,6 +24,7 @@ from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResp
 from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from tests.support.clock import ManualClock, state_of
 from tests.support.redis_nodes import RedisNode
 from tests.support.waiting import eventually
 
@@ -111,23 +112,10 @@ async def test_a_replay_is_one_get_and_a_new_key_two_round_trips(
         await cache.close()
 
 
-def state_of(breaker: CircuitBreaker) -> BreakerState:
-    """Read afresh each time: time and probes move the state between two asserts."""
-    return breaker.state
-
-
-class ManualMonotonic:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_a_cancelled_half_open_probe_gives_its_permit_back(
     node: RedisNode, fresh_key: RecordKey, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = ManualMonotonic()
+    clock = ManualClock()
     config = BreakerConfig(
         window=10.0, min_calls=1, failure_rate=0.5, slow_call=60.0, open_for=2.0, half_open_calls=1
     )
@@ -142,7 +130,7 @@ async def test_a_cancelled_half_open_probe_gives_its_permit_back(
         assert await cache.put(answer_for(fresh_key))
         breaker.record(breaker.acquire(), failure=True)  # one failure opens it (min_calls=1)
         assert state_of(breaker) is BreakerState.OPEN
-        clock.now += config.open_for
+        clock.advance(config.open_for)
         assert state_of(breaker) is BreakerState.HALF_OPEN
 
         counter = WriteCounter(monkeypatch)
@@ -156,7 +144,7 @@ async def test_a_cancelled_half_open_probe_gives_its_permit_back(
 
         # The cancelled probe counted as a failure: open again, then a new probe is admitted.
         assert state_of(breaker) is BreakerState.OPEN
-        clock.now += config.open_for
+        clock.advance(config.open_for)
         found = await cache.get(fresh_key)
         assert found is not None
         assert found.response.body == b"x" * 1024
@@ -168,7 +156,7 @@ async def test_a_cancelled_half_open_probe_gives_its_permit_back(
 async def test_a_probe_failing_with_an_error_reply_reports_and_recovers(
     node: RedisNode, fresh_key: RecordKey
 ) -> None:
-    clock = ManualMonotonic()
+    clock = ManualClock()
     config = BreakerConfig(
         window=10.0, min_calls=1, failure_rate=0.5, slow_call=60.0, open_for=2.0, half_open_calls=1
     )
@@ -182,7 +170,7 @@ async def test_a_probe_failing_with_an_error_reply_reports_and_recovers(
     try:
         assert await cache.put(answer_for(fresh_key))
         breaker.record(breaker.acquire(), failure=True)
-        clock.now += config.open_for
+        clock.advance(config.open_for)
         assert state_of(breaker) is BreakerState.HALF_OPEN
         # A probe that fails with an error reply (WRONGTYPE) rather than a dead connection.
         client = redis.asyncio.Redis.from_url(node.url)
@@ -193,7 +181,7 @@ async def test_a_probe_failing_with_an_error_reply_reports_and_recovers(
             await client.aclose()
         assert await cache.get(fresh_key) is None
         assert state_of(breaker) is BreakerState.OPEN  # the probe reported, it did not vanish
-        clock.now += config.open_for
+        clock.advance(config.open_for)
         assert await cache.put(answer_for(fresh_key)) is True  # SET replaces the list
         assert state_of(breaker) is BreakerState.CLOSED
     finally:

@@ -27,8 +27,8 @@ from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Sta
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore, Reservation
 from idempotency_gateway.migrate import alembic_config, upgrade_to_head
-from tests.conftest import ManualClock
 from tests.support import free_port
+from tests.support.clock import ManualClock
 
 LEASE = 30.0
 TTL = 3600.0
@@ -523,8 +523,8 @@ async def test_sweep_never_deletes_a_live_execution_past_its_ttl(
 async def test_a_second_postgres_sweeper_stands_aside_while_one_holds_the_lock(
     postgres_url: str, clock: ManualClock
 ) -> None:
-    holder = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock)
-    other = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock)
+    holder = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock.utc)
+    other = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock.utc)
     try:
         async with holder.engine.connect() as connection:
             await connection.execute(select(func.pg_advisory_lock(SWEEP_LOCK_ID)))
