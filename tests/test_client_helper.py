@@ -20,6 +20,7 @@ import pytest
 
 from idempotency_gateway.client import IdempotentClient, idempotency_key
 from tests.support import RecordingUpstream, free_port
+from tests.support.charges import CHARGE, CHARGES
 from tests.support.clock import ManualClock
 from tests.support.gateway import (
     PRIMARY,
@@ -28,10 +29,6 @@ from tests.support.gateway import (
     gateway_config,
     route,
 )
-
-CHARGES = "/v1/charges"
-CHARGE = {"amount": 1000, "currency": "usd"}
-
 
 # ------------------------------------------------------------------------ idempotency_key
 

@@ -29,11 +29,11 @@ from idempotency_gateway.config import (
 from idempotency_gateway.idempotency import IdempotencyMiddleware
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
+from tests.support.charges import CHARGES
 from tests.support.gateway import gateway_config, route
 from tests.support.servers import TEST_SCOPE_SECRET
 
 READ_BOUND = 15.0
-CHARGES = "/v1/charges"
 TIGHT_LIMITS = {
     "max_request_head": "4KiB",
     "max_header_fields": 20,

@@ -40,6 +40,7 @@ from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState
 from tests.support import RecordingUpstream, eventually, free_port
+from tests.support.charges import CHARGE
 from tests.support.clock import ManualClock
 from tests.support.gateway import (
     GatewayLauncher,
@@ -47,13 +48,7 @@ from tests.support.gateway import (
     route,
     unreachable_database_url,
 )
-from tests.support.keyed import (
-    CHARGE,
-    is_replay,
-    keyed_gateway_config,
-    record_key,
-    send_keyed,
-)
+from tests.support.keyed import is_replay, keyed_gateway_config, record_key, send_keyed
 
 BINARY_BODY = b'{"id": "ch_1"}\n\x00\x01 line two\r\n\x00\xff\xfe trailing\n'
 ONE_HOUR = 3600.0

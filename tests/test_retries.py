@@ -31,6 +31,7 @@ from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import RequestFactory, ResilientUpstream, RetryPlan
 from idempotency_gateway.resilience.breaker import BreakerState
 from tests.support import RecordingUpstream, eventually, free_port
+from tests.support.charges import CHARGES
 from tests.support.clock import ManualClock, state_of
 from tests.support.gateway import (
     PRIMARY,
@@ -39,9 +40,8 @@ from tests.support.gateway import (
     gateway_config,
     route,
 )
+from tests.support.problems import assert_problem
 
-CHARGES = "/v1/charges"
-PROBLEM_TYPE_PREFIX = "urn:idempotency-gateway:problem:"
 RETRY_LOGGER = "idempotency_gateway.proxy.resilient"
 KEYED = RetryPlan(idempotent=True, retry_ambiguous=False, ambiguous_statuses=frozenset({502, 504}))
 # Pauses of a millisecond keep the gateway tests fast; the pause math has its own tests.
@@ -329,15 +329,6 @@ def send(
         sent["X-Test-Behavior"] = behavior
     body: dict[str, Any] = {"json": {"amount": 1000}} if method in ("POST", "PUT", "PATCH") else {}
     return gateway.client.request(method, CHARGES, headers=sent, **body)
-
-
-def assert_problem(response: httpx.Response, status: int, slug: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == "application/problem+json"
-    problem: dict[str, Any] = response.json()
-    assert problem["type"] == PROBLEM_TYPE_PREFIX + slug
-    assert problem["status"] == status
-    return problem
 
 
 async def record_status(store: RecordStore, key: str) -> Status:

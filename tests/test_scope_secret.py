@@ -28,8 +28,9 @@ from idempotency_gateway.idempotency.scope_secret import (
 )
 from idempotency_gateway.main import create_gateway
 from tests.support import RecordingUpstream, serve_asgi, write_config
+from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import CLI_SERVER_OPTIONS, GatewayLauncher, gateway_config, route
-from tests.support.keyed import AUTHORIZATION, CHARGE, CHARGES, is_replay, send_keyed
+from tests.support.keyed import AUTHORIZATION, is_replay, send_keyed
 from tests.support.servers import PROJECT_ROOT
 from tests.support.upstream import KEY_HEADER
 

@@ -37,9 +37,10 @@ from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore
 from idempotency_gateway.operations.sweeper import Sweeper
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support.charges import CHARGES
 from tests.support.clock import ManualClock
 from tests.support.gateway import unreachable_database_url
-from tests.support.keyed import CHARGES, keyed_gateway_config, record_key, send_keyed
+from tests.support.keyed import keyed_gateway_config, record_key, send_keyed
 from tests.support.servers import PROJECT_ROOT
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.upstream import EXECUTION_HEADER

@@ -17,13 +17,12 @@ import httpx
 from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.idempotency.keys import scope_of
 from idempotency_gateway.idempotency.record import RecordKey
+from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import gateway_config, route
 from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import BEHAVIOR_HEADER, KEY_HEADER
 
 AUTHORIZATION = "Bearer sk_test_keyed_requests"
-CHARGES = "/v1/charges"
-CHARGE = {"amount": 1000, "currency": "usd"}
 
 REPLAYED = "idempotent-replayed"
 PREFERENCE_APPLIED = "preference-applied"
