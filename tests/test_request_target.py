@@ -38,6 +38,7 @@ from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_c
 from tests.support.background import InBackgroundThread
 from tests.support.charges import CHARGE_BODY, CHARGES
 from tests.support.gateway import GatewayLauncher, gateway_config, route
+from tests.support.problems import PROBLEM_JSON
 from tests.support.raw_http import Reply, assert_clear_answer, exchange, request_bytes
 from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import Execution
@@ -177,7 +178,7 @@ def tenant_and_key() -> list[tuple[bytes, bytes]]:
 def parser_refused(reply: Reply) -> bool:
     """The HTTP server layer's own refusal: the target was no URL at all (400) or asked for a
     tunnel (501), and no app code ran."""
-    if not reply.headers.get("content-type", "").startswith("application/problem+json"):
+    if not reply.headers.get("content-type", "").startswith(PROBLEM_JSON):
         return False
     return (reply.status, reply.slug()) in {
         (400, "malformed-request"),
