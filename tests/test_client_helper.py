@@ -20,7 +20,7 @@ import pytest
 
 from idempotency_gateway.client import IdempotentClient, idempotency_key
 from tests.support import RecordingUpstream, free_port
-from tests.support.charges import CHARGE, CHARGES
+from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.clock import ManualClock
 from tests.support.gateway import (
     PRIMARY,
@@ -134,9 +134,7 @@ async def charge_past_the_helper(
 ) -> httpx.Response:
     """A keyed charge sent straight to the gateway, as another client would: it sets up the
     record the helper then meets, and is not counted in ``sent``."""
-    headers = {"Idempotency-Key": key}
-    if behavior is not None:
-        headers["X-Test-Behavior"] = behavior
+    headers = keyed_headers(key, behavior=behavior)
     return await gateway.client.post(CHARGES, json=CHARGE, headers=headers)
 
 

@@ -20,7 +20,7 @@ import pytest
 from idempotency_gateway.idempotency.record import RecordKey, Status
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support import RecordingUpstream, eventually, free_port
-from tests.support.charges import CHARGE, CHARGES
+from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.gateway import (
     GatewayLauncher,
     RunningGateway,
@@ -70,11 +70,7 @@ async def post_charge(
     **request: Any,
 ) -> httpx.Response:
     """POST a charge (``CHARGE`` as JSON unless ``content``/``json`` is given)."""
-    sent = dict(headers or {})
-    if key is not None:
-        sent["Idempotency-Key"] = key
-    if behavior is not None:
-        sent["X-Test-Behavior"] = behavior
+    sent = keyed_headers(key, behavior=behavior, headers=headers)
     if "content" not in request and "json" not in request:
         request["json"] = CHARGE
     return await gateway.client.post(CHARGES, headers=sent, **request)

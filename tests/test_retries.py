@@ -31,7 +31,7 @@ from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import RequestFactory, ResilientUpstream, RetryPlan
 from idempotency_gateway.resilience.breaker import BreakerState
 from tests.support import RecordingUpstream, eventually, free_port
-from tests.support.charges import CHARGES
+from tests.support.charges import CHARGES, keyed_headers
 from tests.support.clock import ManualClock, state_of
 from tests.support.gateway import (
     PRIMARY,
@@ -322,11 +322,7 @@ def send(
     behavior: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Awaitable[httpx.Response]:
-    sent = dict(headers or {})
-    if key is not None:
-        sent["Idempotency-Key"] = key
-    if behavior is not None:
-        sent["X-Test-Behavior"] = behavior
+    sent = keyed_headers(key, behavior=behavior, headers=headers)
     body: dict[str, Any] = {"json": {"amount": 1000}} if method in ("POST", "PUT", "PATCH") else {}
     return gateway.client.request(method, CHARGES, headers=sent, **body)
 
