@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.migrate import upgrade_to_head
 from tests.support import RecordingUpstream
+from tests.support.clock import ManualClock
 
 DEFAULT_TEST_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/idempotency_gateway_test"
 # Database 15 belongs to the tests alone. It is never flushed: test sessions may run side by
@@ -72,27 +72,15 @@ def database_url(request: pytest.FixtureRequest, postgres_url: str, tmp_path: Pa
     return url
 
 
-class ManualClock:
-    """A clock the test moves by hand: leases and TTLs expire without sleeping."""
-
-    def __init__(self) -> None:
-        self.now = datetime(2026, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
-
-
 @pytest.fixture
 def clock() -> ManualClock:
+    """One hand-moved time per test, shared by its store and anything else that takes a clock."""
     return ManualClock()
 
 
 @pytest.fixture
 async def store(database_url: str, clock: ManualClock) -> AsyncIterator[RecordStore]:
-    record_store = RecordStore.from_url(database_url, StoreConfig(), clock=clock)
+    record_store = RecordStore.from_url(database_url, StoreConfig(), clock=clock.utc)
     yield record_store
     await record_store.close()
 

@@ -40,23 +40,22 @@ from idempotency_gateway.idempotency.cache import cache_key
 from idempotency_gateway.idempotency.schema import breaker_overrides
 from idempotency_gateway.main import Gateway, create_gateway
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
+from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import CLI_SERVER_OPTIONS, route
 from tests.support.keyed import (
     AUTHORIZATION,
-    CHARGE,
-    CHARGES,
     is_replay,
     keyed_gateway_config,
     record_key,
     send_keyed,
 )
+from tests.support.problems import assert_problem
 from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import BEHAVIOR_HEADER
 
 TOKEN = "admin-token-for-tests"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 OPERATION = f"POST {CHARGES}"
-PROBLEM_JSON = "application/problem+json"
 ADMIN_PATHS = {
     "/healthz",
     "/readyz",
@@ -125,19 +124,6 @@ def by_scope(key: str, **extra: Any) -> dict[str, Any]:
 
 def by_credential(key: str, **extra: Any) -> dict[str, Any]:
     return {"operation": OPERATION, "key": key, **extra}
-
-
-def assert_problem(
-    response: httpx.Response, status: int, slug: str, context: str = ""
-) -> dict[str, Any]:
-    """``response`` is an RFC 9457 problem with ``status`` whose type ends in ``slug``."""
-    assert response.status_code == status, (context, response.text)
-    assert response.headers["content-type"].startswith(PROBLEM_JSON), context
-    problem: dict[str, Any] = response.json()
-    assert problem["status"] == status, context
-    assert problem["type"].endswith(slug), (context, problem)
-    assert problem["detail"], context
-    return problem
 
 
 def breaker_named(listing: httpx.Response, name: str) -> dict[str, Any]:
@@ -234,11 +220,11 @@ async def test_every_admin_endpoint_answers_only_the_right_bearer_token(
         before = await gateway.app.store.get(record_key(key))
 
         missing = await call_admin(gateway, call, key, payments, headers={})
-        assert_problem(missing, 401, ":unauthorized", name)
+        assert_problem(missing, 401, "unauthorized", name)
         assert missing.headers["WWW-Authenticate"] == "Bearer", name
         for credential in WRONG_CREDENTIALS.values():
             wrong = await call_admin(gateway, call, key, payments, {"Authorization": credential})
-            assert_problem(wrong, 401, ":unauthorized", f"{name} with {credential!r}")
+            assert_problem(wrong, 401, "unauthorized", f"{name} with {credential!r}")
             assert wrong.headers["WWW-Authenticate"] == "Bearer", name
         # Refused calls changed nothing.
         assert await gateway.app.store.get(record_key(key)) == before, name
@@ -258,7 +244,7 @@ async def test_admin_api_is_off_and_says_so_without_a_configured_token(
         for name, call in ADMIN_CALLS.items():
             for headers in ({}, ADMIN):
                 answer = await call_admin(gateway, call, key, payments, headers)
-                problem = assert_problem(answer, 404, ":admin-api-off", name)
+                problem = assert_problem(answer, 404, "admin-api-off", name)
                 assert "GATEWAY_ADMIN_TOKEN" in problem["detail"]
         assert (await gateway.admin.get("/healthz")).status_code == 200
         assert await gateway.app.store.get(record_key(key)) is not None
@@ -354,7 +340,7 @@ async def test_record_calls_answer_404_for_an_unknown_key(
             method, path, params=by_scope(unique("never-sent")), headers=ADMIN
         )
 
-        assert_problem(unknown, 404, ":not-found", name)
+        assert_problem(unknown, 404, "not-found", name)
 
 
 async def test_record_calls_need_exactly_one_form_of_scope(
@@ -376,7 +362,7 @@ async def test_record_calls_need_exactly_one_form_of_scope(
         )
 
         for answer in (both, neither):
-            problem = assert_problem(answer, 422, ":invalid-admin-request", name)
+            problem = assert_problem(answer, 422, "invalid-admin-request", name)
             assert "X-Scope-Credential" in problem["detail"], name
     assert await records_gateway.app.store.get(record_key(key)) == before
 
@@ -566,7 +552,7 @@ async def test_forced_open_breaker_refuses_without_calling_the_upstream_until_no
     assert (forced.json()["state"], forced.json()["override"]) == ("forced_open", "forced_open")
 
     refused = await charge(gateway)
-    problem = assert_problem(refused, 503, ":circuit-open")
+    problem = assert_problem(refused, 503, "circuit-open")
     assert problem["retryable"] is True
     assert refused.headers["Retry-After"]
     assert upstream.total == 0
@@ -603,7 +589,7 @@ async def test_forced_breaker_reaches_every_gateway_sharing_the_database(
             await eventually(other_reports_it, timeout=10.0, interval=0.1)
 
         await set_here_and_wait_until_other_reports("forced_open", reported="forced_open")
-        assert_problem(await charge(other), 503, ":circuit-open")
+        assert_problem(await charge(other), 503, "circuit-open")
         assert upstream.total == 0
 
         await set_here_and_wait_until_other_reports("normal", reported="closed")
@@ -623,9 +609,9 @@ async def test_breaker_commands_are_validated(gateway: AdminGateway, payments: s
     )
     no_body = await gateway.admin.put(f"/admin/breakers/{payments}", headers=ADMIN)
 
-    assert_problem(unknown, 404, ":not-found")
+    assert_problem(unknown, 404, "not-found")
     for invalid in (sideways, automatic, no_body):
-        assert_problem(invalid, 422, ":invalid-admin-request")
+        assert_problem(invalid, 422, "invalid-admin-request")
     assert "state" in sideways.json()["detail"]
     assert await breaker_state(gateway, payments) == "closed"
 
@@ -668,10 +654,10 @@ async def test_served_gateway_keeps_admin_api_and_docs_on_the_admin_port(
 @pytest.mark.parametrize(
     ("method", "path", "status", "slug"),
     [
-        ("GET", "/no-such-endpoint", 404, ":not-found"),
-        ("GET", "/admin/no-such-endpoint", 404, ":not-found"),
-        ("POST", "/admin/breakers", 405, ":method-not-allowed"),
-        ("DELETE", "/healthz", 405, ":method-not-allowed"),
+        ("GET", "/no-such-endpoint", 404, "not-found"),
+        ("GET", "/admin/no-such-endpoint", 404, "not-found"),
+        ("POST", "/admin/breakers", 405, "method-not-allowed"),
+        ("DELETE", "/healthz", 405, "method-not-allowed"),
     ],
 )
 async def test_unknown_paths_and_methods_are_problems(
@@ -690,7 +676,7 @@ async def test_request_validation_errors_are_problems_naming_the_field(
 ) -> None:
     answer = await gateway.admin.get("/admin/records/stuck", params={"limit": 0}, headers=ADMIN)
 
-    problem = assert_problem(answer, 422, ":invalid-admin-request")
+    problem = assert_problem(answer, 422, "invalid-admin-request")
     assert "limit" in problem["detail"]
 
 
@@ -708,7 +694,7 @@ async def test_nul_in_a_record_query_parameter_is_422_and_changes_nothing(
         params[field] = params[field] + "\x00"
         answer = await records_gateway.admin.request(method, path, params=params, headers=ADMIN)
 
-        problem = assert_problem(answer, 422, ":invalid-admin-request", name)
+        problem = assert_problem(answer, 422, "invalid-admin-request", name)
         assert "NUL" in problem["detail"]
     assert await records_gateway.app.store.get(record_key(key)) == before
 
@@ -718,7 +704,7 @@ async def test_nul_in_an_admin_path_parameter_is_422(gateway: AdminGateway) -> N
         "/admin/breakers/payments%00x", json={"state": "forced_open"}, headers=ADMIN
     )
 
-    assert_problem(answer, 422, ":invalid-admin-request")
+    assert_problem(answer, 422, "invalid-admin-request")
 
 
 async def test_nul_is_checked_only_after_the_token(gateway: AdminGateway) -> None:
@@ -726,4 +712,4 @@ async def test_nul_is_checked_only_after_the_token(gateway: AdminGateway) -> Non
         "/admin/records", params={"operation": "x", "key": "a\x00", "scope": "anonymous"}
     )
 
-    assert_problem(answer, 401, ":unauthorized")
+    assert_problem(answer, 401, "unauthorized")

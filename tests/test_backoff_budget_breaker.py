@@ -25,13 +25,7 @@ from idempotency_gateway.resilience.breaker import (
     Permit,
 )
 from idempotency_gateway.resilience.budget import RetryBudget
-from tests.support.fake_time import FakeTime
-
-
-@pytest.fixture
-def clock() -> FakeTime:
-    return FakeTime()
-
+from tests.support.clock import ManualClock, state_of
 
 # --------------------------------------------------------------------------- backoff
 
@@ -85,7 +79,7 @@ def test_parse_retry_after(value: str | None, seconds: float | None) -> None:
 # ------------------------------------------------------------------------ retry budget
 
 
-def test_retry_budget_allows_at_most_its_ratio_of_requests(clock: FakeTime) -> None:
+def test_retry_budget_allows_at_most_its_ratio_of_requests(clock: ManualClock) -> None:
     budget = RetryBudget(ratio=0.2, min_per_second=0, window=10.0, clock=clock)
     granted = 0
     for requests in range(1, 1001):
@@ -97,7 +91,7 @@ def test_retry_budget_allows_at_most_its_ratio_of_requests(clock: FakeTime) -> N
     assert granted == 200
 
 
-def test_retry_budget_floor_allows_retries_without_traffic(clock: FakeTime) -> None:
+def test_retry_budget_floor_allows_retries_without_traffic(clock: ManualClock) -> None:
     budget = RetryBudget(ratio=0.2, min_per_second=0.5, window=10.0, clock=clock)
 
     granted = [budget.try_withdraw() for _ in range(6)]
@@ -106,7 +100,7 @@ def test_retry_budget_floor_allows_retries_without_traffic(clock: FakeTime) -> N
 
 
 def test_retry_budget_forgets_requests_and_retries_that_left_the_window(
-    clock: FakeTime,
+    clock: ManualClock,
 ) -> None:
     budget = RetryBudget(ratio=0.5, min_per_second=0, window=10.0, clock=clock)
     for _ in range(10):
@@ -146,7 +140,7 @@ def transitions() -> list[Transition]:
 
 
 @pytest.fixture
-def breaker(clock: FakeTime, transitions: list[Transition]) -> CircuitBreaker:
+def breaker(clock: ManualClock, transitions: list[Transition]) -> CircuitBreaker:
     return CircuitBreaker(
         "payments",
         BREAKER,
@@ -168,13 +162,13 @@ def calls(breaker: CircuitBreaker, *, failures: int = 0, successes: int = 0) -> 
 
 def open_breaker(breaker: CircuitBreaker) -> None:
     calls(breaker, failures=BREAKER.min_calls)
-    assert breaker.state is BreakerState.OPEN
+    assert state_of(breaker) is BreakerState.OPEN
 
 
-def half_open_breaker(breaker: CircuitBreaker, clock: FakeTime) -> None:
+def half_open_breaker(breaker: CircuitBreaker, clock: ManualClock) -> None:
     open_breaker(breaker)
     clock.advance(BREAKER.open_for)
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert state_of(breaker) is BreakerState.HALF_OPEN
 
 
 def test_breaker_stays_closed_below_min_calls_even_when_every_call_fails(
@@ -182,7 +176,7 @@ def test_breaker_stays_closed_below_min_calls_even_when_every_call_fails(
 ) -> None:
     calls(breaker, failures=BREAKER.min_calls - 1)
 
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
     breaker.acquire()  # still admits
 
 
@@ -203,7 +197,7 @@ def test_breaker_opens_at_the_failure_rate_threshold(
 
 
 def test_breaker_counts_only_failures_inside_its_window(
-    breaker: CircuitBreaker, clock: FakeTime
+    breaker: CircuitBreaker, clock: ManualClock
 ) -> None:
     calls(breaker, failures=BREAKER.min_calls - 1)
     clock.advance(BREAKER.window + 1)
@@ -211,7 +205,7 @@ def test_breaker_counts_only_failures_inside_its_window(
     calls(breaker, successes=2, failures=1)
 
     # 4 failures in total, but only one of the 3 calls in the window failed.
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
     assert breaker.snapshot().failures == 1
 
 
@@ -223,7 +217,7 @@ def test_breaker_counts_only_failures_inside_its_window(
     ],
 )
 def test_breaker_opens_on_the_slow_call_rate(
-    breaker: CircuitBreaker, clock: FakeTime, duration: float, state: BreakerState
+    breaker: CircuitBreaker, clock: ManualClock, duration: float, state: BreakerState
 ) -> None:
     calls(breaker, successes=2)
     for _ in range(2):
@@ -235,7 +229,7 @@ def test_breaker_opens_on_the_slow_call_rate(
 
 
 def test_open_breaker_rejects_with_the_time_left_until_half_open(
-    breaker: CircuitBreaker, clock: FakeTime
+    breaker: CircuitBreaker, clock: ManualClock
 ) -> None:
     open_breaker(breaker)
     clock.advance(2.5)
@@ -250,11 +244,11 @@ def test_open_breaker_rejects_with_the_time_left_until_half_open(
     with pytest.raises(CircuitOpen) as almost:
         breaker.acquire()
     assert almost.value.retry_after == 1  # 0.1s left: never "Retry-After: 0"
-    assert breaker.state is BreakerState.OPEN
+    assert state_of(breaker) is BreakerState.OPEN
 
 
 def test_half_open_admits_exactly_half_open_calls_probes(
-    breaker: CircuitBreaker, clock: FakeTime
+    breaker: CircuitBreaker, clock: ManualClock
 ) -> None:
     half_open_breaker(breaker, clock)
 
@@ -264,29 +258,29 @@ def test_half_open_admits_exactly_half_open_calls_probes(
         breaker.acquire()
     assert busy.value.retry_after == 1
     assert len(probes) == 2
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert state_of(breaker) is BreakerState.HALF_OPEN
 
 
 def test_half_open_closes_when_every_probe_succeeds(
-    breaker: CircuitBreaker, clock: FakeTime
+    breaker: CircuitBreaker, clock: ManualClock
 ) -> None:
     half_open_breaker(breaker, clock)
     first, second = (breaker.acquire() for _ in range(2))
 
     breaker.record(first, failure=False)
-    assert breaker.state is BreakerState.HALF_OPEN  # one success is not enough
+    assert state_of(breaker) is BreakerState.HALF_OPEN  # one success is not enough
     breaker.record(second, failure=False)
 
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
     # A fresh start: the failures that opened it are forgotten.
     assert breaker.snapshot() == BreakerSnapshot(BreakerState.CLOSED, 0, 0, 0)
     calls(breaker, failures=BREAKER.min_calls - 1)
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["failed-probe", "slow-probe"])
 def test_half_open_reopens_when_a_probe_fails(
-    breaker: CircuitBreaker, clock: FakeTime, slow: bool
+    breaker: CircuitBreaker, clock: ManualClock, slow: bool
 ) -> None:
     half_open_breaker(breaker, clock)
     good, bad = (breaker.acquire() for _ in range(2))
@@ -296,14 +290,14 @@ def test_half_open_reopens_when_a_probe_fails(
         clock.advance(BREAKER.slow_call)
     breaker.record(bad, failure=not slow)
 
-    assert breaker.state is BreakerState.OPEN
+    assert state_of(breaker) is BreakerState.OPEN
     with pytest.raises(CircuitOpen) as rejected:
         breaker.acquire()
     assert rejected.value.retry_after == 10  # a full open_for from the failed probe
 
 
 def test_outcome_of_a_call_admitted_before_a_transition_is_ignored(
-    breaker: CircuitBreaker, clock: FakeTime
+    breaker: CircuitBreaker, clock: ManualClock
 ) -> None:
     stale_failure = breaker.acquire()
     stale_success = breaker.acquire()
@@ -312,13 +306,13 @@ def test_outcome_of_a_call_admitted_before_a_transition_is_ignored(
 
     # Admitted while CLOSED: neither reopens the half-open breaker nor counts as a probe.
     breaker.record(stale_failure, failure=True)
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert state_of(breaker) is BreakerState.HALF_OPEN
     breaker.record(stale_success, failure=False)
     breaker.record(probe, failure=False)
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert state_of(breaker) is BreakerState.HALF_OPEN
 
     breaker.record(breaker.acquire(), failure=False)
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
 
 
 def test_a_permit_from_another_generation_is_ignored_while_closed(
@@ -327,7 +321,7 @@ def test_a_permit_from_another_generation_is_ignored_while_closed(
     for _ in range(BREAKER.min_calls):
         breaker.record(Permit(generation=99, started_at=0.0), failure=True)
 
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
     assert breaker.snapshot().calls == 0
 
 
@@ -338,12 +332,12 @@ def test_forced_open_rejects_everything(breaker: CircuitBreaker) -> None:
         with pytest.raises(CircuitOpen) as rejected:
             breaker.acquire()
         assert rejected.value.retry_after == 10
-    assert breaker.state is BreakerState.FORCED_OPEN
+    assert state_of(breaker) is BreakerState.FORCED_OPEN
 
 
 @pytest.mark.parametrize("override", [BreakerState.FORCED_CLOSED, BreakerState.DISABLED])
 def test_forced_closed_and_disabled_admit_everything_despite_failures(
-    breaker: CircuitBreaker, clock: FakeTime, override: BreakerState
+    breaker: CircuitBreaker, clock: ManualClock, override: BreakerState
 ) -> None:
     open_breaker(breaker)
     breaker.force(override)
@@ -362,12 +356,12 @@ def test_force_none_returns_to_closed_and_only_overrides_can_be_forced(
     breaker.force(BreakerState.FORCED_OPEN)
     breaker.force(None)
 
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
     breaker.acquire()
     for state in (BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.CLOSED):
         with pytest.raises(ValueError, match="can only force"):
             breaker.force(state)
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
 
 
 def test_force_none_closes_an_open_breaker(breaker: CircuitBreaker) -> None:
@@ -375,12 +369,12 @@ def test_force_none_closes_an_open_breaker(breaker: CircuitBreaker) -> None:
 
     breaker.force(None)
 
-    assert breaker.state is BreakerState.CLOSED
+    assert state_of(breaker) is BreakerState.CLOSED
     breaker.acquire()
 
 
 def test_transition_listener_sees_every_transition_in_order(
-    breaker: CircuitBreaker, clock: FakeTime, transitions: list[Transition]
+    breaker: CircuitBreaker, clock: ManualClock, transitions: list[Transition]
 ) -> None:
     half_open_breaker(breaker, clock)
     call(breaker, failure=True)  # probe fails: back to OPEN

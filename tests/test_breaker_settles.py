@@ -20,7 +20,7 @@ from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import ResilientUpstream, RetryPlan
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from tests.support import RecordingUpstream, eventually
-from tests.support.fake_time import FakeTime
+from tests.support.clock import ManualClock, state_of
 from tests.support.gateway import PRIMARY, GatewayLauncher, gateway_config, route
 
 ONE_PROBE = BreakerConfig(min_calls=1, failure_rate=0.5, open_for=10.0, half_open_calls=1)
@@ -31,7 +31,7 @@ class UnexpectedError(Exception):
     """Stands for a bug of ours: says nothing about the upstream's health."""
 
 
-def half_open(clock: FakeTime, config: BreakerConfig = ONE_PROBE) -> CircuitBreaker:
+def half_open(clock: ManualClock, config: BreakerConfig = ONE_PROBE) -> CircuitBreaker:
     breaker = CircuitBreaker("payments", config, clock=clock)
     with breaker.trial() as trial:
         trial.settle(failure=True)
@@ -40,18 +40,13 @@ def half_open(clock: FakeTime, config: BreakerConfig = ONE_PROBE) -> CircuitBrea
     return breaker
 
 
-def state_of(breaker: CircuitBreaker) -> BreakerState:
-    """The state read afresh: a property that moves with time, which mypy would narrow."""
-    return breaker.state
-
-
 def assert_full(breaker: CircuitBreaker) -> None:
     with pytest.raises(CircuitOpen):
         breaker.trial()
 
 
 async def test_a_cancelled_probe_hands_its_permit_back() -> None:
-    breaker = half_open(FakeTime())
+    breaker = half_open(ManualClock())
     entered = asyncio.Event()
 
     async def probe() -> None:
@@ -72,7 +67,7 @@ async def test_a_cancelled_probe_hands_its_permit_back() -> None:
 
 
 def test_a_probe_raising_an_unexpected_error_hands_its_permit_back() -> None:
-    breaker = half_open(FakeTime())
+    breaker = half_open(ManualClock())
 
     with pytest.raises(UnexpectedError), breaker.trial():
         raise UnexpectedError
@@ -85,7 +80,7 @@ def test_a_probe_raising_an_unexpected_error_hands_its_permit_back() -> None:
 
 
 def test_only_the_first_verdict_counts_and_leaving_after_it_changes_nothing() -> None:
-    breaker = half_open(FakeTime(), ONE_PROBE.model_copy(update={"half_open_calls": 2}))
+    breaker = half_open(ManualClock(), ONE_PROBE.model_copy(update={"half_open_calls": 2}))
 
     def settle_twice_then_fail() -> None:
         with breaker.trial() as trial:
@@ -103,7 +98,7 @@ def test_only_the_first_verdict_counts_and_leaving_after_it_changes_nothing() ->
 
 
 def test_a_permit_from_an_earlier_state_is_not_handed_back_twice() -> None:
-    clock = FakeTime()
+    clock = ManualClock()
     breaker = half_open(clock, ONE_PROBE.model_copy(update={"half_open_calls": 2}))
     stale = breaker.trial()
     breaker.force(BreakerState.FORCED_OPEN)
@@ -121,20 +116,15 @@ def test_a_permit_from_an_earlier_state_is_not_handed_back_twice() -> None:
 
 
 @pytest.fixture
-def fake_time() -> FakeTime:
-    return FakeTime()
-
-
-@pytest.fixture
 async def resilient(
-    upstream: RecordingUpstream, fake_time: FakeTime
+    upstream: RecordingUpstream, clock: ManualClock
 ) -> AsyncIterator[ResilientUpstream]:
     config = UpstreamConfig(
         url=upstream.url, retry={"max_attempts": 1}, breaker=ONE_PROBE.model_dump()
     )
     client = UpstreamClient("payments", config)
     await client.start()
-    yield ResilientUpstream(client, clock=fake_time)
+    yield ResilientUpstream(client, clock=clock)
     await client.close()
 
 
@@ -148,12 +138,12 @@ def behaving(upstream: RecordingUpstream, behavior: str) -> UpstreamRequest:
 
 
 async def test_the_retry_loop_hands_back_the_permit_of_a_probe_cancelled_mid_call(
-    resilient: ResilientUpstream, upstream: RecordingUpstream, fake_time: FakeTime
+    resilient: ResilientUpstream, upstream: RecordingUpstream, clock: ManualClock
 ) -> None:
     async def call(behavior: str) -> UpstreamResponse:
         return await resilient.open(
             lambda _: behaving(upstream, behavior),
-            deadline=Deadline(10.0, clock=fake_time),
+            deadline=Deadline(10.0, clock=clock),
             plan=PLAN,
         )
 
@@ -161,7 +151,7 @@ async def test_the_retry_loop_hands_back_the_permit_of_a_probe_cancelled_mid_cal
     # Fail once (min_calls 1) to open, then let the open period pass: the next call probes.
     (await call("status=500")).release()
     assert state_of(breaker) is BreakerState.OPEN
-    fake_time.advance(ONE_PROBE.open_for)
+    clock.advance(ONE_PROBE.open_for)
     assert state_of(breaker) is BreakerState.HALF_OPEN
 
     probe = asyncio.create_task(call("gate=probe"))
@@ -193,7 +183,7 @@ async def test_a_client_hanging_up_mid_probe_leaves_the_gateway_breaker_admittin
         breaker = gateway.app.upstreams[PRIMARY].breaker
         failing = await gateway.client.get("/v1/charges", headers={"X-Test-Behavior": "status=500"})
         assert failing.status_code == 500
-        await eventually(lambda: breaker.state is BreakerState.HALF_OPEN)
+        await eventually(lambda: state_of(breaker) is BreakerState.HALF_OPEN)
 
         host, port = gateway.url.removeprefix("http://").split(":")
         _, writer = await asyncio.open_connection(host, int(port))

@@ -18,14 +18,8 @@ import pytest
 
 from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
-from tests.support.keyed import (
-    AUTHORIZATION,
-    CHARGE,
-    CHARGES,
-    is_replay,
-    keyed_gateway_config,
-    record_key,
-)
+from tests.support.charges import CHARGE, CHARGES
+from tests.support.keyed import AUTHORIZATION, is_replay, keyed_gateway_config, record_key
 from tests.support.upstream import KEY_HEADER
 
 pytestmark = pytest.mark.multiprocess

@@ -32,8 +32,9 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.store import Claim, RecordStore
 from idempotency_gateway.migrate import alembic_config
-from tests.conftest import ManualClock
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
+from tests.support.clock import ManualClock
+from tests.support.problems import assert_problem
 from tests.support.servers import PROJECT_ROOT
 
 CLI = (sys.executable, "-m", "idempotency_gateway.cli")
@@ -227,7 +228,7 @@ def test_migrate_on_postgresql_can_run_again(
 async def test_sweep_deletes_expired_records_and_says_how_many(
     sqlite_url: str, clock: ManualClock
 ) -> None:
-    store = RecordStore.from_url(sqlite_url, StoreConfig(), clock=clock)
+    store = RecordStore.from_url(sqlite_url, StoreConfig(), clock=clock.utc)
     expired = RecordKey("anonymous", "POST /v1/orders", "expired-order")
     live = RecordKey("anonymous", "POST /v1/orders", "live-order")
     try:
@@ -344,8 +345,7 @@ async def test_demo_shows_replay_mismatch_and_in_flight_conflict(demo: DemoProce
 
         # 2. The key reused for a different request: 422, nothing executed.
         mismatch = await charge("order-1", 9999)
-        assert mismatch.status_code == 422
-        assert mismatch.headers["Content-Type"].startswith("application/problem+json")
+        assert_problem(mismatch, 422, "idempotency-key-reused")
         assert await executions() == 1
 
         # 3. A duplicate while the first still runs: 409, then the replay once it is done.

@@ -20,7 +20,8 @@ import pytest
 
 from idempotency_gateway.client import IdempotentClient, idempotency_key
 from tests.support import RecordingUpstream, free_port
-from tests.support.fake_time import FakeTime
+from tests.support.charges import CHARGE, CHARGES, keyed_headers
+from tests.support.clock import ManualClock
 from tests.support.gateway import (
     PRIMARY,
     GatewayLauncher,
@@ -28,10 +29,6 @@ from tests.support.gateway import (
     gateway_config,
     route,
 )
-
-CHARGES = "/v1/charges"
-CHARGE = {"amount": 1000, "currency": "usd"}
-
 
 # ------------------------------------------------------------------------ idempotency_key
 
@@ -89,11 +86,6 @@ async def gateway(upstream: RecordingUpstream, postgres_url: str) -> AsyncIterat
 
 
 @pytest.fixture
-def fake_time() -> FakeTime:
-    return FakeTime()
-
-
-@pytest.fixture
 def sent() -> list[httpx.Request]:
     """Every request the client put on the wire, in order."""
     return []
@@ -104,7 +96,7 @@ MakeClient = Callable[..., IdempotentClient]
 
 @pytest.fixture
 async def make_client(
-    gateway: RunningGateway, fake_time: FakeTime, sent: list[httpx.Request]
+    gateway: RunningGateway, clock: ManualClock, sent: list[httpx.Request]
 ) -> AsyncIterator[MakeClient]:
     """``make_client(base_url=gateway, timeout=10, **IdempotentClient options)`` on fake time;
     the clients are closed at the end."""
@@ -123,7 +115,7 @@ async def make_client(
             event_hooks={"request": [record]},
         )
         client = IdempotentClient(
-            http=http, sleep=fake_time.sleep, clock=fake_time, uniform=fake_time.uniform, **options
+            http=http, sleep=clock.sleep, clock=clock, uniform=clock.uniform, **options
         )
         clients.append(client)
         return client
@@ -142,23 +134,21 @@ async def charge_past_the_helper(
 ) -> httpx.Response:
     """A keyed charge sent straight to the gateway, as another client would: it sets up the
     record the helper then meets, and is not counted in ``sent``."""
-    headers = {"Idempotency-Key": key}
-    if behavior is not None:
-        headers["X-Test-Behavior"] = behavior
+    headers = keyed_headers(key, behavior=behavior)
     return await gateway.client.post(CHARGES, json=CHARGE, headers=headers)
 
 
-def assert_sent_once_without_a_pause(sent: list[httpx.Request], fake_time: FakeTime) -> None:
+def assert_sent_once_without_a_pause(sent: list[httpx.Request], clock: ManualClock) -> None:
     """The client's answer is final after one request: it neither retried nor slept."""
     assert len(sent) == 1
-    assert fake_time.sleeps == []
+    assert clock.sleeps == []
 
 
 async def test_in_flight_409_is_waited_out_until_the_answer_is_replayed(
     make_client: MakeClient,
     gateway: RunningGateway,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     sent: list[httpx.Request],
     unique: Callable[[str], str],
 ) -> None:
@@ -170,7 +160,7 @@ async def test_in_flight_409_is_waited_out_until_the_answer_is_replayed(
         upstream.release("held")
         await first
 
-    fake_time.on_sleep = first_request_finishes
+    clock.on_sleep = first_request_finishes
     client = make_client()
 
     response = await client.post(
@@ -182,7 +172,7 @@ async def test_in_flight_409_is_waited_out_until_the_answer_is_replayed(
     assert response.status_code == 201
     assert response.headers["idempotent-replayed"] == "true"
     assert response.content == original.content
-    assert fake_time.sleeps == [1.0]  # the 409's Retry-After
+    assert clock.sleeps == [1.0]  # the 409's Retry-After
     assert keys_sent(sent) == [key, key]
     assert upstream.count(key) == 1
 
@@ -191,7 +181,7 @@ async def test_key_reused_with_a_different_request_is_422_at_once(
     make_client: MakeClient,
     gateway: RunningGateway,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     sent: list[httpx.Request],
     unique: Callable[[str], str],
 ) -> None:
@@ -201,20 +191,20 @@ async def test_key_reused_with_a_different_request_is_422_at_once(
     response = await make_client().post(CHARGES, key=key, json={**CHARGE, "amount": 1})
 
     assert response.status_code == 422
-    assert_sent_once_without_a_pause(sent, fake_time)
+    assert_sent_once_without_a_pause(sent, clock)
     assert upstream.count(key) == 1
 
 
 async def test_malformed_key_is_400_at_once(
     make_client: MakeClient,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     sent: list[httpx.Request],
 ) -> None:
     response = await make_client().post(CHARGES, key="has space", json=CHARGE)
 
     assert response.status_code == 400
-    assert_sent_once_without_a_pause(sent, fake_time)
+    assert_sent_once_without_a_pause(sent, clock)
     assert upstream.total == 0
 
 
@@ -222,7 +212,7 @@ async def test_a_replayed_answer_is_final_even_with_a_retryable_status(
     make_client: MakeClient,
     gateway: RunningGateway,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     sent: list[httpx.Request],
     unique: Callable[[str], str],
 ) -> None:
@@ -235,14 +225,14 @@ async def test_a_replayed_answer_is_final_even_with_a_retryable_status(
     # The gateway will replay this 500 forever: retrying only adds load and delay.
     assert response.status_code == 500
     assert response.headers["idempotent-replayed"] == "true"
-    assert_sent_once_without_a_pause(sent, fake_time)
+    assert_sent_once_without_a_pause(sent, clock)
     assert upstream.count(key) == 1
 
 
 async def test_retry_after_from_the_answer_sets_the_pause(
     make_client: MakeClient,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     sent: list[httpx.Request],
     unique: Callable[[str], str],
 ) -> None:
@@ -256,7 +246,7 @@ async def test_retry_after_from_the_answer_sets_the_pause(
     )
 
     assert response.status_code == 201
-    assert fake_time.sleeps == [2.0]
+    assert clock.sleeps == [2.0]
     assert keys_sent(sent) == [key, key]
     # The 503 left the key retryable: the second attempt executed under the next token.
     assert [e.fencing_token for e in upstream.executions_for(key)] == [1, 2]
@@ -265,7 +255,7 @@ async def test_retry_after_from_the_answer_sets_the_pause(
 async def test_overall_deadline_stops_retrying(
     make_client: MakeClient,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     sent: list[httpx.Request],
     unique: Callable[[str], str],
 ) -> None:
@@ -278,14 +268,14 @@ async def test_overall_deadline_stops_retrying(
 
     # Attempts at t=0, 4 and 8; another pause of 4s would end past t=10.
     assert response.status_code == 503
-    assert fake_time.sleeps == [4.0, 4.0]
+    assert clock.sleeps == [4.0, 4.0]
     assert len(sent) == 3
     assert upstream.count(key) == 3
 
 
 @pytest.mark.parametrize("key", ["order-7", None], ids=["keyed", "unkeyed-POST"])
 async def test_connection_refused_is_retried_then_raised(
-    make_client: MakeClient, fake_time: FakeTime, sent: list[httpx.Request], key: str | None
+    make_client: MakeClient, clock: ManualClock, sent: list[httpx.Request], key: str | None
 ) -> None:
     client = make_client(
         base_url=f"http://127.0.0.1:{free_port()}", max_attempts=3, base=0.1, cap=5.0
@@ -297,14 +287,14 @@ async def test_connection_refused_is_retried_then_raised(
     # Never sent, so safe to resend even without a key.
     assert len(sent) == 3
     assert keys_sent(sent) == [key] * 3
-    assert fake_time.jitter_bounds == [(0.0, 0.1), (0.0, 0.2)]
-    assert fake_time.sleeps == [0.1, 0.2]
+    assert clock.jitter_bounds == [(0.0, 0.1), (0.0, 0.2)]
+    assert clock.sleeps == [0.1, 0.2]
 
 
 async def test_unkeyed_post_answered_503_is_not_retried(
     make_client: MakeClient,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     sent: list[httpx.Request],
 ) -> None:
     response = await make_client().request(
@@ -312,14 +302,14 @@ async def test_unkeyed_post_answered_503_is_not_retried(
     )
 
     assert response.status_code == 503
-    assert_sent_once_without_a_pause(sent, fake_time)
+    assert_sent_once_without_a_pause(sent, clock)
     assert upstream.total == 1
 
 
 async def test_unkeyed_post_whose_answer_timed_out_is_not_retried(
     make_client: MakeClient,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     sent: list[httpx.Request],
 ) -> None:
     client = make_client(timeout=0.3)
@@ -328,7 +318,7 @@ async def test_unkeyed_post_whose_answer_timed_out_is_not_retried(
         await client.request("POST", CHARGES, json=CHARGE, headers={"X-Test-Behavior": "gate=slow"})
 
     upstream.release("slow")  # lets the gateway finish before it shuts down
-    assert_sent_once_without_a_pause(sent, fake_time)
+    assert_sent_once_without_a_pause(sent, clock)
     assert upstream.total == 1
 
 

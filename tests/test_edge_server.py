@@ -29,11 +29,12 @@ from idempotency_gateway.config import (
 from idempotency_gateway.idempotency import IdempotencyMiddleware
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
+from tests.support.charges import CHARGES
 from tests.support.gateway import gateway_config, route
+from tests.support.problems import PROBLEM_JSON, slug_of
 from tests.support.servers import TEST_SCOPE_SECRET
 
 READ_BOUND = 15.0
-CHARGES = "/v1/charges"
 TIGHT_LIMITS = {
     "max_request_head": "4KiB",
     "max_header_fields": 20,
@@ -52,9 +53,8 @@ class Reply:
 
     @property
     def problem_slug(self) -> str:
-        assert self.headers.get("content-type") == "application/problem+json", self.head
-        slug: str = json.loads(self.body)["type"].rsplit(":", 1)[-1]
-        return slug
+        assert self.headers.get("content-type") == PROBLEM_JSON, self.head
+        return slug_of(json.loads(self.body)["type"])
 
 
 def assert_closing_problem(reply: Reply, status: int, slug: str) -> None:

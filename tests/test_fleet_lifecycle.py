@@ -24,8 +24,9 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.record import Status
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support.charges import CHARGES
 from tests.support.gateway import gateway_config, route
-from tests.support.keyed import CHARGES, keyed_gateway_config, record_key, send_keyed
+from tests.support.keyed import keyed_gateway_config, record_key, send_keyed
 
 pytestmark = pytest.mark.multiprocess
 

@@ -19,8 +19,8 @@ import pytest
 
 from idempotency_gateway.idempotency.record import RecordKey, Status
 from idempotency_gateway.idempotency.store import RecordStore
-from idempotency_gateway.problems import PROBLEM_CONTENT_TYPE
 from tests.support import RecordingUpstream, eventually, free_port
+from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.gateway import (
     GatewayLauncher,
     RunningGateway,
@@ -28,10 +28,7 @@ from tests.support.gateway import (
     route,
     unreachable_database_url,
 )
-
-CHARGE = {"amount": 1000, "currency": "usd"}
-CHARGES = "/v1/charges"
-PROBLEM_TYPE_PREFIX = "urn:idempotency-gateway:problem:"
+from tests.support.problems import assert_problem as shared_assert_problem
 
 
 class StartGateway(Protocol):
@@ -58,6 +55,12 @@ async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGatew
         yield start
 
 
+@pytest.fixture
+async def gateway(start_gateway: StartGateway, database_url: str) -> RunningGateway:
+    """The default gateway (one key-required route, one attempt) on each store."""
+    return await start_gateway(database_url)
+
+
 async def post_charge(
     gateway: RunningGateway,
     key: str | None,
@@ -67,11 +70,7 @@ async def post_charge(
     **request: Any,
 ) -> httpx.Response:
     """POST a charge (``CHARGE`` as JSON unless ``content``/``json`` is given)."""
-    sent = dict(headers or {})
-    if key is not None:
-        sent["Idempotency-Key"] = key
-    if behavior is not None:
-        sent["X-Test-Behavior"] = behavior
+    sent = keyed_headers(key, behavior=behavior, headers=headers)
     if "content" not in request and "json" not in request:
         request["json"] = CHARGE
     return await gateway.client.post(CHARGES, headers=sent, **request)
@@ -85,16 +84,9 @@ def assert_problem(
     retryable: bool,
     request_id: str | None = None,
 ) -> dict[str, Any]:
-    """An RFC 9457 document with every member contract section 5 promises."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == PROBLEM_CONTENT_TYPE.decode()
-    problem: dict[str, Any] = response.json()
-    assert problem["type"] == PROBLEM_TYPE_PREFIX + slug
-    assert problem["status"] == status
-    assert isinstance(problem["title"], str)
-    assert problem["title"]
-    assert isinstance(problem["detail"], str)
-    assert problem["detail"]
+    """Our problem ``slug``, also saying whether a retry may help and which request it
+    answers."""
+    problem = shared_assert_problem(response, status, slug)
     assert problem["retryable"] is retryable
     # A replayed problem carries the id of the request that produced it.
     assert problem["request_id"] == (request_id or response.headers["x-request-id"])
@@ -120,13 +112,11 @@ def charge_record(key: str) -> RecordKey:
 
 
 async def test_first_request_executes_and_the_repeat_is_replayed(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
     store: RecordStore,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("replay")
 
     first = await post_charge(gateway, key)
@@ -144,12 +134,10 @@ async def test_first_request_executes_and_the_repeat_is_replayed(
 
 
 async def test_reordered_json_with_other_whitespace_is_the_same_request(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("canonical-json")
     json_type = {"Content-Type": "application/json"}
 
@@ -166,12 +154,10 @@ async def test_reordered_json_with_other_whitespace_is_the_same_request(
 
 
 async def test_same_key_under_two_credentials_is_two_records(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("tenants")
     tenant_a = {"Authorization": "Bearer a"}
     tenant_b = {"Authorization": "Bearer b"}
@@ -188,12 +174,10 @@ async def test_same_key_under_two_credentials_is_two_records(
 
 
 async def test_key_and_fencing_token_are_forwarded_upstream(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("forwarded")
 
     # A client cannot choose its own fencing token: the gateway's replaces it.
@@ -210,10 +194,8 @@ async def test_key_and_fencing_token_are_forwarded_upstream(
 
 
 async def test_missing_key_on_a_required_route_is_400_and_never_proxied(
-    start_gateway: StartGateway, upstream: RecordingUpstream, database_url: str
+    gateway: RunningGateway, upstream: RecordingUpstream
 ) -> None:
-    gateway = await start_gateway(database_url)
-
     response = await post_charge(gateway, None)
 
     assert_problem(response, 400, slug="idempotency-key-missing", retryable=False)
@@ -259,13 +241,10 @@ async def test_route_with_key_off_never_stores_anything(
     ],
 )
 async def test_malformed_key_is_400_and_nothing_executes(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     key_fields: list[tuple[str, str]],
 ) -> None:
-    gateway = await start_gateway(database_url)
-
     response = await gateway.client.post(CHARGES, headers=key_fields, json=CHARGE)
 
     assert_problem(response, 400, slug="idempotency-key-invalid", retryable=False)
@@ -273,12 +252,10 @@ async def test_malformed_key_is_400_and_nothing_executes(
 
 
 async def test_longest_valid_key_is_accepted(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("max").ljust(255, "k")
 
     first = await post_charge(gateway, key)
@@ -288,12 +265,10 @@ async def test_longest_valid_key_is_accepted(
 
 
 async def test_key_reused_with_a_different_body_is_422_and_not_executed(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("mismatch")
 
     first = await post_charge(gateway, key)
@@ -310,12 +285,10 @@ async def test_key_reused_with_a_different_body_is_422_and_not_executed(
 
 
 async def test_duplicate_while_in_flight_is_409_then_replayed(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("in-flight")
     first = asyncio.create_task(post_charge(gateway, key, behavior="gate=first"))
     await upstream.wait_arrived("first")
@@ -333,12 +306,10 @@ async def test_duplicate_while_in_flight_is_409_then_replayed(
 
 
 async def test_fifty_concurrent_duplicates_while_the_first_is_held_get_409(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("fifty-held")
     requests = [
         asyncio.create_task(post_charge(gateway, key, behavior="gate=held")) for _ in range(50)
@@ -363,12 +334,10 @@ async def test_fifty_concurrent_duplicates_while_the_first_is_held_get_409(
 
 
 async def test_fifty_concurrent_duplicates_execute_exactly_once(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("fifty-racing")
 
     answers = await asyncio.gather(*(post_charge(gateway, key) for _ in range(50)))
@@ -580,13 +549,11 @@ async def test_ambiguous_failure_under_retry_executes_again_with_the_next_token(
 
 
 async def test_upstream_503_is_retryable_and_the_retry_executes_with_token_2(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
     store: RecordStore,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("upstream-503")
 
     first = await post_charge(gateway, key, behavior="status=503")
@@ -607,14 +574,12 @@ async def test_upstream_503_is_retryable_and_the_retry_executes_with_token_2(
 
 @pytest.mark.parametrize("upstream_status", [500, 400])
 async def test_deterministic_upstream_failure_is_final_and_replayed(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
     store: RecordStore,
-    database_url: str,
     unique: Callable[[str], str],
     upstream_status: int,
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique(f"upstream-{upstream_status}")
 
     first = await post_charge(gateway, key, behavior=f"status={upstream_status}")
@@ -660,12 +625,10 @@ async def test_expired_record_executes_again_with_token_1(
 
 
 async def test_client_disconnect_does_not_cancel_the_execution(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("disconnect")
     body = json.dumps(CHARGE).encode()
     host, port = gateway.url.removeprefix("http://").split(":")
@@ -702,12 +665,10 @@ async def test_client_disconnect_does_not_cancel_the_execution(
 
 
 async def test_streamed_response_reaches_the_client_before_it_ends_and_replays_whole(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("stream")
     headers = {"Idempotency-Key": key, "X-Test-Behavior": "stream=5,chunk=1024,stream-gate=tail"}
 
@@ -758,13 +719,11 @@ async def test_answer_over_the_storage_cap_is_delivered_but_replayed_without_bod
 
 
 async def test_answer_cut_mid_stream_is_stored_as_outcome_unknown(
-    start_gateway: StartGateway,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
     store: RecordStore,
-    database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("cut")
     headers = {
         "Idempotency-Key": key,

@@ -23,11 +23,8 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
-import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -45,22 +42,25 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_gateway.client import IdempotentClient
 from idempotency_gateway.config import GatewayConfig
-from idempotency_gateway.errors import PROBLEM_TYPE_BASE, InvalidRequestTarget
+from idempotency_gateway.errors import InvalidRequestTarget
 from idempotency_gateway.idempotency.schema import OPERATION_MAX_LENGTH
 from idempotency_gateway.main import create_gateway
 from idempotency_gateway.target import canonical_path
-from tests.faults.checker import DOCUMENTED_5XX
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.background import InBackgroundThread
+from tests.support.charges import CHARGE_BODY, CHARGES
 from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route
+from tests.support.raw_http import (
+    Reply,
+    assert_clear_answer,
+    exchange,
+    request_bytes,
+)
 from tests.support.servers import TEST_SCOPE_SECRET, serve_asgi
 from tests.support.upstream import BEHAVIOR_HEADER, EXECUTION_HEADER, Execution
 
 BODY_LIMIT = 64 * 1024
-CHARGES = "/v1/charges"
-CHARGE = b'{"amount": 1000, "currency": "usd"}'
 ADMIN_TOKEN = "hostile-suite-admin-token"
-SOCKET_TIMEOUT = 10.0
 EXAMPLES = settings(
     max_examples=60,
     deadline=None,
@@ -138,92 +138,6 @@ def hostile(postgres_url: str) -> Iterator[BackgroundGateway]:
 # ------------------------------------------------------------------------------ raw HTTP
 
 
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    @property
-    def from_upstream(self) -> bool:
-        """Relayed from the upstream: the gateway adds ``Via`` to those, never to its own."""
-        return "via" in self.headers
-
-    def problem(self) -> dict[str, Any]:
-        assert self.headers.get("content-type", "").startswith("application/problem+json"), self
-        document = json.loads(self.body)
-        assert isinstance(document, dict)
-        return document
-
-
-def request_bytes(
-    method: bytes,
-    target: bytes,
-    headers: Sequence[tuple[bytes, bytes]],
-    body: bytes = b"",
-    *,
-    content_length: int | None = None,
-) -> bytes:
-    """An HTTP/1.1 request exactly as given (no validation: that is the point)."""
-    lines = [method + b" " + target + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close"]
-    lines += [name + b": " + value for name, value in headers]
-    length = len(body) if content_length is None else content_length
-    lines.append(b"Content-Length: " + str(length).encode())
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
-
-
-def _dechunk(data: bytes) -> bytes:
-    body = b""
-    while data:
-        size_line, _, data = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        body, data = body + data[:size], data[size + 2 :]
-    return body
-
-
-def exchange(
-    port: int,
-    raw: bytes,
-    *,
-    pieces: int = 1,
-    pause: float = 0.0,
-    cut_after: int | None = None,
-) -> Reply | None:
-    """Send ``raw`` (in ``pieces``, ``pause`` seconds apart: a trickle) and read the answer
-    until the server closes. ``cut_after``: send only that many bytes, then close our side
-    (an upload cut short). ``None`` when the server closed without answering."""
-    with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT) as sock:
-        payload = raw if cut_after is None else raw[:cut_after]
-        step = max(1, -(-len(payload) // pieces))
-        for start in range(0, len(payload), step):
-            sock.sendall(payload[start : start + step])
-            if pause:
-                time.sleep(pause)  # the trickle itself: this client is slow on purpose
-        if cut_after is not None:
-            sock.shutdown(socket.SHUT_WR)
-        received = b""
-        with contextlib.suppress(ConnectionResetError):
-            while chunk := sock.recv(65536):
-                received += chunk
-    if not received:
-        return None
-    head, _, body = received.partition(b"\r\n\r\n")
-    while head.split(b" ", 2)[1].startswith(b"1"):  # an interim answer (100 Continue)
-        head, _, body = body.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.split(b"\r\n")
-    headers: dict[str, str] = {}
-    for line in header_lines:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-    if headers.get("transfer-encoding") == "chunked":
-        body = _dechunk(body)
-    elif "content-length" in headers:
-        body = body[: int(headers["content-length"])]
-    return Reply(int(status_line.split()[1]), headers, body)
-
-
 def new_tenant() -> bytes:
     """A fresh credential: every example has its own scope, so keys never collide."""
     return b"Bearer hostile-" + uuid.uuid4().hex.encode()
@@ -241,23 +155,11 @@ def keyed(tenant: bytes, key: bytes, *extra: tuple[bytes, bytes]) -> list[tuple[
 # ----------------------------------------------------------------------------- the checks
 
 
-def assert_clear_answer(reply: Reply | None) -> Reply:
-    """An answer, not a 500; a gateway error is an RFC 9457 problem; a 5xx is documented."""
-    assert reply is not None, "the gateway closed the connection without an answer"
-    assert reply.status != 500, reply
-    if reply.status >= 400 and not reply.from_upstream:
-        problem = reply.problem()
-        assert {"type", "title", "status", "detail", "retryable"} <= problem.keys(), problem
-        assert problem["status"] == reply.status
-        assert problem["type"].startswith(PROBLEM_TYPE_BASE)
-        if reply.status >= 500:
-            assert DOCUMENTED_5XX.get(problem["type"][len(PROBLEM_TYPE_BASE) :]) == reply.status
-    return reply
-
-
 def assert_still_answers(gateway: BackgroundGateway) -> None:
     tenant = new_tenant()
-    reply = gateway.send(request_bytes(b"POST", CHARGES.encode(), keyed(tenant, b"ok"), CHARGE))
+    reply = gateway.send(
+        request_bytes(b"POST", CHARGES.encode(), keyed(tenant, b"ok"), CHARGE_BODY)
+    )
     assert reply is not None
     assert reply.status == 201, reply
     assert len(gateway.executions_of(tenant)) == 1
@@ -272,10 +174,6 @@ def assert_proxied_once(
     assert reply.headers[EXECUTION_HEADER.lower()] == str(execution.number)
     assert execution.body == body
     return execution
-
-
-def problem_slug(reply: Reply) -> str:
-    return str(reply.problem()["type"])[len(PROBLEM_TYPE_BASE) :]
 
 
 # ------------------------------------------------------------------- Idempotency-Key fields
@@ -343,7 +241,7 @@ def test_any_idempotency_key_field_gets_a_clear_answer(
     tenant = new_tenant()
     headers = [(b"Authorization", tenant), (b"Content-Type", b"application/json")]
     headers += [(b"Idempotency-Key", value) for value in values]
-    reply = hostile.send(request_bytes(b"POST", CHARGES.encode(), headers, CHARGE))
+    reply = hostile.send(request_bytes(b"POST", CHARGES.encode(), headers, CHARGE_BODY))
 
     if any(byte in NOT_IN_A_FIELD for value in values for byte in value):
         # Not HTTP: the server refuses the bytes before the gateway sees them (or the gateway
@@ -355,18 +253,19 @@ def test_any_idempotency_key_field_gets_a_clear_answer(
         assert_clear_answer(reply)
         assert reply is not None
         assert reply.status == 400, reply
-        assert problem_slug(reply) == "idempotency-key-invalid"
+        assert reply.slug() == "idempotency-key-invalid"
         assert hostile.executions_of(tenant) == []
     else:
-        execution = assert_proxied_once(hostile, tenant, assert_clear_answer(reply), CHARGE)
+        answer = assert_clear_answer(reply)
+        execution = assert_proxied_once(hostile, tenant, answer, CHARGE_BODY)
         # Forwarded as the bare key, whichever form the client wrote it in.
         key = expected_key(values)
         assert key is not None
         assert execution.header_values("Idempotency-Key") == [key.decode("ascii")]
-        again = hostile.send(request_bytes(b"POST", CHARGES.encode(), headers, CHARGE))
+        again = hostile.send(request_bytes(b"POST", CHARGES.encode(), headers, CHARGE_BODY))
         assert again is not None
         assert again.headers.get("idempotent-replayed") == "true"
-        assert (again.status, again.body) == (reply.status, reply.body)
+        assert (again.status, again.body) == (answer.status, answer.body)
     assert_still_answers(hostile)
 
 
@@ -382,8 +281,10 @@ def test_crlf_in_the_key_field_only_starts_a_new_header_line(
     tenant = new_tenant()
     name = b"X-Injected-" + injected
     value = key + b"\r\n" + name + b": yes"
-    reply = hostile.send(request_bytes(b"POST", CHARGES.encode(), keyed(tenant, value), CHARGE))
-    execution = assert_proxied_once(hostile, tenant, assert_clear_answer(reply), CHARGE)
+    reply = hostile.send(
+        request_bytes(b"POST", CHARGES.encode(), keyed(tenant, value), CHARGE_BODY)
+    )
+    execution = assert_proxied_once(hostile, tenant, assert_clear_answer(reply), CHARGE_BODY)
     assert execution.header_values("Idempotency-Key") == [key.decode()]
     assert execution.header_values(name.decode()) == ["yes"]
     assert_still_answers(hostile)
@@ -464,7 +365,7 @@ def test_a_body_over_the_limit_is_413_and_never_executed(
     reply = assert_clear_answer(hostile.send(raw))
     if size > BODY_LIMIT:
         assert reply.status == 413, reply
-        assert problem_slug(reply) == "request-body-too-large"
+        assert reply.slug() == "request-body-too-large"
         assert hostile.executions_of(tenant) == []
     elif not declared_only:
         assert_proxied_once(hostile, tenant, reply, b"7" * size)
@@ -501,11 +402,13 @@ def test_a_stalled_upload_executes_nothing_and_the_key_stays_usable(
     hostile: BackgroundGateway,
 ) -> None:
     tenant = new_tenant()
-    raw = request_bytes(b"POST", CHARGES.encode(), keyed(tenant, b"stall"), CHARGE)
+    raw = request_bytes(b"POST", CHARGES.encode(), keyed(tenant, b"stall"), CHARGE_BODY)
     # Half the body, a pause longer than the trickle above, then the client gives up.
-    assert hostile.send(raw, pieces=2, pause=0.5, cut_after=len(raw) - len(CHARGE) // 2) is None
+    assert (
+        hostile.send(raw, pieces=2, pause=0.5, cut_after=len(raw) - len(CHARGE_BODY) // 2) is None
+    )
     assert hostile.executions_of(tenant) == []
-    assert_proxied_once(hostile, tenant, assert_clear_answer(hostile.send(raw)), CHARGE)
+    assert_proxied_once(hostile, tenant, assert_clear_answer(hostile.send(raw)), CHARGE_BODY)
 
 
 # -------------------------------------------------------------------- paths and query strings
@@ -564,21 +467,21 @@ def test_any_path_and_query_is_refused_or_forwarded_canonical(
 ) -> None:
     tenant = new_tenant()
     target = (path + ("?" + query_string if query_string else "")).encode()
-    raw = request_bytes(b"POST", target, keyed(tenant, b"path"), CHARGE)
+    raw = request_bytes(b"POST", target, keyed(tenant, b"path"), CHARGE_BODY)
     reply = assert_clear_answer(hostile.send(raw))
     try:
         canonical = canonical_path(path.encode()).decode()
     except InvalidRequestTarget:
         # Ambiguous forms (docs/paths.md): refused before anything is stored or sent.
-        assert (reply.status, problem_slug(reply)) == (400, "request-target-invalid"), reply
+        assert (reply.status, reply.slug()) == (400, "request-target-invalid"), reply
         assert hostile.executions_of(tenant) == []
         return
     if len(f"POST {canonical}") > OPERATION_MAX_LENGTH:
         # The record could not hold it: refused before anything is stored or sent.
-        assert (reply.status, problem_slug(reply)) == (414, "operation-too-long"), reply
+        assert (reply.status, reply.slug()) == (414, "operation-too-long"), reply
         assert hostile.executions_of(tenant) == []
     else:
-        execution = assert_proxied_once(hostile, tenant, reply, CHARGE)
+        execution = assert_proxied_once(hostile, tenant, reply, CHARGE_BODY)
         assert execution.raw_path == canonical + target.decode()[len(path) :]
         again = assert_clear_answer(hostile.send(raw))
         assert again.headers.get("idempotent-replayed") == "true"
@@ -642,7 +545,7 @@ def test_odd_headers_get_a_clear_answer_and_hop_by_hop_ones_stop_here(
     hostile: BackgroundGateway, extra: list[tuple[bytes, bytes]], credential_padding: int
 ) -> None:
     tenant = new_tenant() + b"x" * credential_padding
-    raw = request_bytes(b"POST", CHARGES.encode(), keyed(tenant, b"hdr", *extra), CHARGE)
+    raw = request_bytes(b"POST", CHARGES.encode(), keyed(tenant, b"hdr", *extra), CHARGE_BODY)
     reply = assert_clear_answer(hostile.send(raw))
     expectations = [
         value for name, value in extra if name.lower() == b"expect" and value != b"100-continue"
@@ -661,7 +564,7 @@ def test_odd_headers_get_a_clear_answer_and_hop_by_hop_ones_stop_here(
         assert (reply.status, bool(expectations)) == (417, True), reply
     else:
         # The only refusal the gateway makes here: a deadline the client made too short.
-        assert problem_slug(reply) == "deadline-exhausted", reply
+        assert reply.slug() == "deadline-exhausted", reply
         assert _deadline_too_short(extra)
         assert hostile.executions_of(tenant) == []
     assert_still_answers(hostile)

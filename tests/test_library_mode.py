@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 
 from idempotency_gateway import IdempotencyConfig, IdempotencyMiddleware, Outcome, RecordStore
 from tests.support import serve_asgi
+from tests.support.problems import assert_problem
 
 CHARGE = {"amount": 1250, "currency": "eur"}
 SCOPE_SECRET = "a long random secret of this deployment"
@@ -132,9 +133,7 @@ async def test_different_body_with_the_same_key_is_422(
         reused = await charge(client, key, {"amount": 1, "currency": "eur"})
 
     assert first.status_code == 200
-    assert reused.status_code == 422
-    assert reused.headers["content-type"] == "application/problem+json"
-    assert reused.json()["type"] == "urn:idempotency-gateway:problem:idempotency-key-reused"
+    assert_problem(reused, 422, "idempotency-key-reused")
     assert len(api.executions) == 1
 
 
@@ -153,10 +152,8 @@ async def test_duplicate_while_the_endpoint_runs_is_409_then_replayed(
         original = await first
         replay = await charge(client, key)
 
-    assert duplicate.status_code == 409
+    problem = assert_problem(duplicate, 409, "request-in-flight")
     assert duplicate.headers["retry-after"] == "1"
-    problem = duplicate.json()
-    assert problem["type"] == "urn:idempotency-gateway:problem:request-in-flight"
     assert problem["retryable"] is True
     assert original.status_code == 200
     assert replay.content == original.content
@@ -218,8 +215,5 @@ async def test_policy_mapping_protects_only_its_prefix(
     assert [refund.status_code for refund in refunds] == [200, 200]
     assert [refund.json()["number"] for refund in refunds] == [1, 2]
     assert all("idempotent-replayed" not in refund.headers for refund in refunds)
-    assert keyless_charge.status_code == 400
-    assert (
-        keyless_charge.json()["type"] == "urn:idempotency-gateway:problem:idempotency-key-missing"
-    )
+    assert_problem(keyless_charge, 400, "idempotency-key-missing")
     assert len(api.executions) == 2

@@ -22,6 +22,7 @@ from idempotency_gateway.idempotency.store import Claim, RecordStore
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import route
 from tests.support.keyed import is_replay, keyed_gateway_config, record_key, send_keyed
+from tests.support.problems import assert_problem
 from tests.support.upstream import EXECUTION_HEADER
 
 # The first request outlives its TTL several times over; the heartbeat keeps its lease live.
@@ -86,8 +87,7 @@ async def test_a_duplicate_after_the_ttl_of_a_live_execution_gets_409_not_a_seco
             assert still.lease_expires_at > live.expires_at
 
             duplicate = await send_keyed(client, key)
-            assert duplicate.status_code == 409
-            assert duplicate.headers["content-type"] == "application/problem+json"
+            assert_problem(duplicate, 409, "request-in-flight")
 
             upstream.release("slow")
             original = await first

@@ -31,8 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from idempotency_gateway.idempotency.keys import scope_of
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
+from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import gateway_config, route
-from tests.support.keyed import CHARGE, CHARGES, is_replay, send_keyed
+from tests.support.keyed import is_replay, send_keyed
 from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.upstream import BEHAVIOR_HEADER, KEY_HEADER

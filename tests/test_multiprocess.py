@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support.problems import assert_problem
 from tests.support.upstream import BEHAVIOR_HEADER
 
 pytestmark = pytest.mark.multiprocess
@@ -148,11 +149,7 @@ async def assert_replays(
 
 
 def assert_outcome_unknown(response: httpx.Response) -> None:
-    assert response.status_code == 504
-    assert response.headers["Content-Type"].startswith("application/problem+json")
-    problem = response.json()
-    assert problem["type"].endswith(":outcome-unknown")
-    assert problem["status"] == 504
+    assert_problem(response, 504, "outcome-unknown")
 
 
 async def storm(

@@ -17,8 +17,8 @@ from prometheus_client import REGISTRY
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.record import Record, RecordKey
 from idempotency_gateway.idempotency.store import Claim, RecordStore
-from tests.conftest import ManualClock
 from tests.support import eventually
+from tests.support.clock import ManualClock
 
 # A renewal every 0.1 s of real time.
 LEASE = 0.3
@@ -36,7 +36,7 @@ async def reserved(store: RecordStore, key: str) -> Record:
 
 async def renewed_until(store: RecordStore, record: Record, clock: ManualClock) -> None:
     """Wait for a renewal that read the store's clock at its current time."""
-    expected = clock() + timedelta(seconds=LEASE)
+    expected = clock.utc() + timedelta(seconds=LEASE)
 
     async def lease_ends() -> bool:
         current = await store.get(record.key)

@@ -26,8 +26,8 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore
-from tests.conftest import ManualClock
 from tests.support import GatewayProcess, RecordingUpstream, write_config
+from tests.support.clock import ManualClock
 from tests.support.keyed import is_replay, keyed_gateway_config, send_keyed
 from tests.support.pgbouncer import PgBouncer
 
@@ -170,7 +170,9 @@ async def test_sweeper_stands_aside_while_another_transaction_holds_the_lock(
     # A moment long before any other test's records: only this test's row can be expired.
     clock = ManualClock()
     clock.now = datetime(2001, 1, 1, tzinfo=UTC)
-    store = RecordStore.from_url(pgbouncer.url, StoreConfig(prepared_statements=False), clock=clock)
+    store = RecordStore.from_url(
+        pgbouncer.url, StoreConfig(prepared_statements=False), clock=clock.utc
+    )
     holder = await connect(pgbouncer)
     key = RecordKey(unique("sweep"), "POST /v1/charges", "expired")
     try:

@@ -85,6 +85,12 @@ async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGatew
         yield start
 
 
+@pytest.fixture
+async def gateway(start_gateway: StartGateway, database_url: str) -> RunningGateway:
+    """The default gateway (one key-required route) on each store."""
+    return await start_gateway(database_url)
+
+
 def parked_waiters(gateway: RunningGateway) -> int:
     """Duplicates of this gateway parked on a wake-up right now."""
     wakeups = gateway.app.wakeups
@@ -122,12 +128,10 @@ def assert_replay_after_wait(
 
 
 async def test_duplicate_with_prefer_wait_gets_the_replay_one_without_gets_409_at_once(
-    start_gateway: StartGateway,
-    database_url: str,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("wait")
     owner = await owner_held_at_gate(gateway, upstream, key, "owner")
 
@@ -178,12 +182,10 @@ async def test_waiter_gets_409_when_the_owner_outlasts_its_wait(
 
 
 async def test_many_waiters_wake_together_to_the_same_answer(
-    start_gateway: StartGateway,
-    database_url: str,
+    gateway: RunningGateway,
     upstream: RecordingUpstream,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url)
     key = unique("many-waiters")
     owner = await owner_held_at_gate(gateway, upstream, key, "popular")
 

@@ -17,6 +17,7 @@ import pytest
 
 from tests.support import RecordingUpstream
 from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
+from tests.support.problems import assert_problem
 from tests.support.upstream import Execution
 
 GENERATED_REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -218,12 +219,7 @@ async def test_path_without_a_route_is_404_problem(
 
     response = await gateway.client.get("/v2/things")
 
-    assert response.status_code == 404
-    assert response.headers["content-type"] == "application/problem+json"
-    problem = response.json()
-    assert problem["type"] == "urn:idempotency-gateway:problem:no-route"
-    assert problem["status"] == 404
-    assert problem["title"]
+    problem = assert_problem(response, 404, "no-route")
     assert "/v2/things" in problem["detail"]
     assert problem["retryable"] is False
     assert problem["request_id"] == response.headers["x-request-id"]
@@ -281,8 +277,7 @@ async def test_put_whose_connection_resets_is_sent_exactly_once(
 
     response = await gateway.client.put("/v1/things/7", headers={"X-Test-Behavior": "reset"})
 
-    assert response.status_code == 502
-    assert response.json()["type"] == "urn:idempotency-gateway:problem:upstream-connection-lost"
+    assert_problem(response, 502, "upstream-connection-lost")
     assert [e.method for e in upstream.executions] == ["GET", "PUT"]
 
 

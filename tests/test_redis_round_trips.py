@@ -10,6 +10,7 @@ cache finds Redis again once it answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -25,6 +26,7 @@ from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.idempotency.wakeups import RedisWakeups
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from tests.support.clock import ManualClock, state_of
 from tests.support.redis_nodes import RedisNode
 from tests.support.waiting import eventually
 
@@ -112,40 +114,41 @@ async def test_a_replay_is_one_get_and_a_new_key_two_round_trips(
         await cache.close()
 
 
-def state_of(breaker: CircuitBreaker) -> BreakerState:
-    """Read afresh each time: time and probes move the state between two asserts."""
-    return breaker.state
+# One failure opens the breaker (min_calls=1) and one probe settles it: each step shows.
+ONE_FAILURE_OPENS = BreakerConfig(
+    window=10.0, min_calls=1, failure_rate=0.5, slow_call=60.0, open_for=2.0, half_open_calls=1
+)
 
 
-class ManualMonotonic:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+@contextlib.asynccontextmanager
+async def half_open_cache(
+    node: RedisNode, key: RecordKey, *, command_timeout: float
+) -> AsyncIterator[tuple[RedisCache, CircuitBreaker, ManualClock]]:
+    """A cache holding ``key``'s entry whose breaker one failure opened and whose open time
+    has passed: the next call is the one half-open probe."""
+    clock = ManualClock()
+    breaker = CircuitBreaker("redis-cache", ONE_FAILURE_OPENS, clock=clock)
+    cache = RedisCache(
+        connect_redis(node.url, timeout=command_timeout, connect_timeout=command_timeout),
+        timeout=command_timeout,
+        max_entry_bytes=4096,
+        breaker=breaker,
+    )
+    try:
+        assert await cache.put(answer_for(key))
+        breaker.record(breaker.acquire(), failure=True)
+        assert state_of(breaker) is BreakerState.OPEN
+        clock.advance(ONE_FAILURE_OPENS.open_for)
+        assert state_of(breaker) is BreakerState.HALF_OPEN
+        yield cache, breaker, clock
+    finally:
+        await cache.close()
 
 
 async def test_a_cancelled_half_open_probe_gives_its_permit_back(
     node: RedisNode, fresh_key: RecordKey, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = ManualMonotonic()
-    config = BreakerConfig(
-        window=10.0, min_calls=1, failure_rate=0.5, slow_call=60.0, open_for=2.0, half_open_calls=1
-    )
-    breaker = CircuitBreaker("redis-cache", config, clock=clock)
-    cache = RedisCache(
-        connect_redis(node.url, timeout=30.0, connect_timeout=30.0),
-        timeout=30.0,
-        max_entry_bytes=4096,
-        breaker=breaker,
-    )
-    try:
-        assert await cache.put(answer_for(fresh_key))
-        breaker.record(breaker.acquire(), failure=True)  # one failure opens it (min_calls=1)
-        assert state_of(breaker) is BreakerState.OPEN
-        clock.now += config.open_for
-        assert state_of(breaker) is BreakerState.HALF_OPEN
-
+    async with half_open_cache(node, fresh_key, command_timeout=30.0) as (cache, breaker, clock):
         counter = WriteCounter(monkeypatch)
         node.pause()
         probe = asyncio.create_task(cache.get(fresh_key))
@@ -157,34 +160,17 @@ async def test_a_cancelled_half_open_probe_gives_its_permit_back(
 
         # The cancelled probe counted as a failure: open again, then a new probe is admitted.
         assert state_of(breaker) is BreakerState.OPEN
-        clock.now += config.open_for
+        clock.advance(ONE_FAILURE_OPENS.open_for)
         found = await cache.get(fresh_key)
         assert found is not None
         assert found.response.body == b"x" * 1024
         assert state_of(breaker) is BreakerState.CLOSED
-    finally:
-        await cache.close()
 
 
 async def test_a_probe_failing_with_an_error_reply_reports_and_recovers(
     node: RedisNode, fresh_key: RecordKey
 ) -> None:
-    clock = ManualMonotonic()
-    config = BreakerConfig(
-        window=10.0, min_calls=1, failure_rate=0.5, slow_call=60.0, open_for=2.0, half_open_calls=1
-    )
-    breaker = CircuitBreaker("redis-cache", config, clock=clock)
-    cache = RedisCache(
-        connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
-        timeout=2.0,
-        max_entry_bytes=4096,
-        breaker=breaker,
-    )
-    try:
-        assert await cache.put(answer_for(fresh_key))
-        breaker.record(breaker.acquire(), failure=True)
-        clock.now += config.open_for
-        assert state_of(breaker) is BreakerState.HALF_OPEN
+    async with half_open_cache(node, fresh_key, command_timeout=2.0) as (cache, breaker, clock):
         # A probe that fails with an error reply (WRONGTYPE) rather than a dead connection.
         client = redis.asyncio.Redis.from_url(node.url)
         try:
@@ -194,11 +180,9 @@ async def test_a_probe_failing_with_an_error_reply_reports_and_recovers(
             await client.aclose()
         assert await cache.get(fresh_key) is None
         assert state_of(breaker) is BreakerState.OPEN  # the probe reported, it did not vanish
-        clock.now += config.open_for
+        clock.advance(ONE_FAILURE_OPENS.open_for)
         assert await cache.put(answer_for(fresh_key)) is True  # SET replaces the list
         assert state_of(breaker) is BreakerState.CLOSED
-    finally:
-        await cache.close()
 
 
 async def test_a_client_library_failure_of_any_kind_degrades_and_never_reaches_the_caller(

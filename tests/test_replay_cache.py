@@ -40,19 +40,15 @@ from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState
 from tests.support import RecordingUpstream, eventually, free_port
+from tests.support.charges import CHARGE
+from tests.support.clock import ManualClock
 from tests.support.gateway import (
     GatewayLauncher,
     RunningGateway,
     route,
     unreachable_database_url,
 )
-from tests.support.keyed import (
-    CHARGE,
-    is_replay,
-    keyed_gateway_config,
-    record_key,
-    send_keyed,
-)
+from tests.support.keyed import is_replay, keyed_gateway_config, record_key, send_keyed
 
 BINARY_BODY = b'{"id": "ch_1"}\n\x00\x01 line two\r\n\x00\xff\xfe trailing\n'
 ONE_HOUR = 3600.0
@@ -305,6 +301,14 @@ def entry_name(key: str) -> str:
     return cache_key(record_key(key))
 
 
+async def stored_entry(redis_client: redis.asyncio.Redis, key: str) -> CachedAnswer | None:
+    """The Redis entry under ``key``'s name, decoded for exactly that key (``None``: absent
+    or not a well-formed entry of this key)."""
+    raw = await redis_client.get(entry_name(key))
+    assert raw is None or isinstance(raw, bytes), raw
+    return decode(raw or b"", record_key(key))
+
+
 async def cached_after_answer(redis_client: redis.asyncio.Redis, key: str) -> None:
     """The owner warms the cache just after its client has the answer: wait for that."""
     await eventually(lambda: redis_client.exists(entry_name(key)), message=f"{key} cached")
@@ -340,7 +344,7 @@ async def test_finished_answer_is_cached_no_longer_than_its_record_lives(
     assert original.status_code == 201
     assert record is not None
     assert_ttl_follows_remaining_life(ttl_ms, (record.expires_at - looked_at).total_seconds())
-    entry = decode(await redis_client.get(entry_name(key)) or b"", record_key(key))
+    entry = await stored_entry(redis_client, key)
     assert entry is not None
     assert entry.expires_at == record.expires_at.timestamp()
     assert entry.response.body == original.content
@@ -383,7 +387,7 @@ async def test_replay_from_postgres_backfills_a_missing_redis_entry(
     replay = await send_keyed(cached_gateway.client, key)
 
     assert_replay_of(replay, original)
-    entry = decode(await redis_client.get(entry_name(key)) or b"", record_key(key))
+    entry = await stored_entry(redis_client, key)
     assert entry is not None
     assert entry.response.body == original.content
     assert upstream.count(key) == 1
@@ -422,14 +426,14 @@ async def test_poisoned_redis_entry_falls_back_to_the_true_answer_and_is_repaire
     key = unique("poisoned")
     original = await send_keyed(cached_gateway.client, key)
     await cached_after_answer(redis_client, key)
-    true_entry = decode(await redis_client.get(entry_name(key)) or b"", record_key(key))
+    true_entry = await stored_entry(redis_client, key)
     assert true_entry is not None
     await poison(redis_client, key, true_entry)
 
     replay = await send_keyed(cached_gateway.client, key)
 
     assert_replay_of(replay, original)
-    assert decode(await redis_client.get(entry_name(key)) or b"", record_key(key)) == true_entry
+    assert await stored_entry(redis_client, key) == true_entry
     assert upstream.count(key) == 1
 
 
@@ -640,8 +644,8 @@ async def test_redis_killed_under_duplicate_load_costs_no_answer_and_no_second_e
 
 
 async def test_an_invalidated_key_stays_out_of_the_in_process_cache_for_its_guard() -> None:
-    now = [100.0]
-    cache = InProcessCache(max_entries=10, max_bytes=1 << 20, monotonic=lambda: now[0])
+    clock = ManualClock()
+    cache = InProcessCache(max_entries=10, max_bytes=1 << 20, monotonic=clock)
     key, other = RecordKey("s", "POST /x", "k1"), RecordKey("s", "POST /x", "k2")
     await cache.put(answer_for(key))
     await cache.put(answer_for(other))
@@ -652,6 +656,6 @@ async def test_an_invalidated_key_stays_out_of_the_in_process_cache_for_its_guar
 
     assert await cache.get(key) is None
     assert await cache.get(other) is not None
-    now[0] += INVALIDATION_GUARD
+    clock.advance(INVALIDATION_GUARD)
     await cache.put(answer_for(key))
     assert await cache.get(key) is not None

@@ -29,21 +29,21 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from idempotency_gateway.config import IdempotencyConfig
-from idempotency_gateway.errors import PROBLEM_TYPE_BASE, InvalidRequestTarget
+from idempotency_gateway.errors import InvalidRequestTarget
 from idempotency_gateway.idempotency import IdempotencyMiddleware
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.routing import PrefixRouter
 from idempotency_gateway.target import canonical_path
 from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_config
 from tests.support.background import InBackgroundThread
+from tests.support.charges import CHARGE_BODY, CHARGES
 from tests.support.gateway import GatewayLauncher, gateway_config, route
+from tests.support.problems import PROBLEM_JSON
+from tests.support.raw_http import Reply, assert_clear_answer, exchange, request_bytes
 from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import Execution
-from tests.test_hostile_input import Reply, assert_clear_answer, exchange, request_bytes
 
-CHARGES = "/v1/charges"
 PUBLIC = "/v1/public"
-CHARGE = b'{"amount": 1000, "currency": "usd"}'
 # What this suite's requests may be answered with, when the gateway answers itself.
 EXPECTED_PROBLEMS = {
     "request-target-invalid": 400,
@@ -165,7 +165,7 @@ def stack(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def raw_request(
-    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes = CHARGE
+    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes = CHARGE_BODY
 ) -> bytes:
     return request_bytes(method, target, [(b"Content-Type", b"application/json"), *headers], body)
 
@@ -175,16 +175,12 @@ def tenant_and_key() -> list[tuple[bytes, bytes]]:
     return [(b"Authorization", b"Bearer target-" + unique), (b"Idempotency-Key", unique)]
 
 
-def slug(reply: Reply) -> str:
-    return str(reply.problem()["type"])[len(PROBLEM_TYPE_BASE) :]
-
-
 def parser_refused(reply: Reply) -> bool:
     """The HTTP server layer's own refusal: the target was no URL at all (400) or asked for a
     tunnel (also 400), and no app code ran."""
-    if not reply.headers.get("content-type", "").startswith("application/problem+json"):
+    if not reply.headers.get("content-type", "").startswith(PROBLEM_JSON):
         return False
-    return (reply.status, slug(reply)) in {
+    return (reply.status, reply.slug()) in {
         (400, "malformed-request"),
         (400, "tunnel-refused"),
     }
@@ -211,7 +207,7 @@ def test_a_target_glued_to_userinfo_never_reaches_another_port(stack: TargetStac
         target = b"*@127.0.0.1:%d/metrics" % port
         reply, executions = answered(stack, raw_request(b"GET", target, []))
 
-        assert (reply.status, slug(reply)) == (400, "request-target-invalid"), reply
+        assert (reply.status, reply.slug()) == (400, "request-target-invalid"), reply
         assert b"# HELP" not in reply.body
         assert executions == []
     assert stack.sentinel.total == 0
@@ -226,7 +222,7 @@ def test_asterisk_form_targets_are_a_400_problem(
 ) -> None:
     reply, executions = answered(stack, raw_request(method, target, tenant_and_key()))
 
-    assert (reply.status, slug(reply)) == (400, "request-target-invalid"), reply
+    assert (reply.status, reply.slug()) == (400, "request-target-invalid"), reply
     assert executions == []
 
 
@@ -291,7 +287,7 @@ def test_path_tricks_land_on_the_route_they_name_and_its_policy(
 ) -> None:
     unkeyed, executions = answered(stack, raw_request(b"POST", target, []))
 
-    assert (unkeyed.status, slug(unkeyed)) == (400, "idempotency-key-missing"), unkeyed
+    assert (unkeyed.status, unkeyed.slug()) == (400, "idempotency-key-missing"), unkeyed
     assert executions == []
 
     keyed, executions = answered(stack, raw_request(b"POST", target, tenant_and_key()))
@@ -313,7 +309,7 @@ def test_path_tricks_land_on_the_route_they_name_and_its_policy(
 def test_forms_upstreams_read_differently_are_refused(stack: TargetStack, target: bytes) -> None:
     reply, executions = answered(stack, raw_request(b"POST", target, []))
 
-    assert (reply.status, slug(reply)) == (400, "request-target-invalid"), reply
+    assert (reply.status, reply.slug()) == (400, "request-target-invalid"), reply
     assert executions == []
 
 
@@ -344,7 +340,7 @@ def test_bodies_with_different_exact_values_are_never_replayed_for_each_other(
     second, executions = answered(stack, raw_request(b"POST", CHARGES.encode(), headers, other))
 
     assert first.status == 201, first
-    assert (second.status, slug(second)) == (422, "idempotency-key-reused"), second
+    assert (second.status, second.slug()) == (422, "idempotency-key-reused"), second
     assert executions == []
 
 
@@ -451,7 +447,7 @@ def assert_invariants(stack: TargetStack, reply: Reply | None, executions: list[
     else:
         event(f"problem {reply.status}")
         assert_clear_answer(reply)
-        assert EXPECTED_PROBLEMS.get(slug(reply)) == reply.status, reply
+        assert EXPECTED_PROBLEMS.get(reply.slug()) == reply.status, reply
 
 
 @settings(
@@ -501,7 +497,9 @@ async def test_the_route_is_matched_once_per_request(
         config = gateway_config(upstream.url, routes=[route(CHARGES, key="required")])
         gateway = await gateways.start(config, database_url=postgres_url)
         headers = {"Idempotency-Key": uuid.uuid4().hex, "Authorization": uuid.uuid4().hex}
-        response = await gateway.client.post(CHARGES + "/./x/..", content=CHARGE, headers=headers)
+        response = await gateway.client.post(
+            CHARGES + "/./x/..", content=CHARGE_BODY, headers=headers
+        )
 
     assert response.status_code == 201
     assert matched == [CHARGES]
@@ -536,9 +534,9 @@ async def test_library_mode_canonicalizes_before_choosing_the_policy(
         keyed = await send(b"//v1/public/../charges", [(b"Idempotency-Key", unique("k").encode())])
 
     assert unkeyed is not None
-    assert (unkeyed.status, slug(unkeyed)) == (400, "idempotency-key-missing")
+    assert (unkeyed.status, unkeyed.slug()) == (400, "idempotency-key-missing")
     assert refused is not None
-    assert (refused.status, slug(refused)) == (400, "request-target-invalid")
+    assert (refused.status, refused.slug()) == (400, "request-target-invalid")
     assert keyed is not None
     assert keyed.status == 200
     assert seen == [CHARGES]  # the app saw the canonical path the policy was chosen by

@@ -31,7 +31,8 @@ from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import RequestFactory, ResilientUpstream, RetryPlan
 from idempotency_gateway.resilience.breaker import BreakerState
 from tests.support import RecordingUpstream, eventually, free_port
-from tests.support.fake_time import FakeTime
+from tests.support.charges import CHARGES, keyed_headers
+from tests.support.clock import ManualClock, state_of
 from tests.support.gateway import (
     PRIMARY,
     GatewayLauncher,
@@ -39,9 +40,8 @@ from tests.support.gateway import (
     gateway_config,
     route,
 )
+from tests.support.problems import assert_problem
 
-CHARGES = "/v1/charges"
-PROBLEM_TYPE_PREFIX = "urn:idempotency-gateway:problem:"
 RETRY_LOGGER = "idempotency_gateway.proxy.resilient"
 KEYED = RetryPlan(idempotent=True, retry_ambiguous=False, ambiguous_statuses=frozenset({502, 504}))
 # Pauses of a millisecond keep the gateway tests fast; the pause math has its own tests.
@@ -72,7 +72,7 @@ def final_decisions_in(messages: list[str]) -> list[str]:
 # ------------------------------------------------------- the retry loop on a manual clock
 
 
-def deadline(time: FakeTime, seconds: float) -> Deadline:
+def deadline(time: ManualClock, seconds: float) -> Deadline:
     return Deadline(seconds, clock=time)
 
 
@@ -81,25 +81,18 @@ class MakeResilient(Protocol):
 
 
 @pytest.fixture
-def fake_time() -> FakeTime:
-    return FakeTime()
-
-
-@pytest.fixture
 async def make_resilient(
-    upstream: RecordingUpstream, fake_time: FakeTime
+    upstream: RecordingUpstream, clock: ManualClock
 ) -> AsyncIterator[MakeResilient]:
     """``await make_resilient(retry={...}, breaker={...})``: a started ``ResilientUpstream``
-    to the recording upstream, on ``fake_time``."""
+    to the recording upstream, on ``clock``."""
     clients: list[UpstreamClient] = []
 
     async def make(**config: Any) -> ResilientUpstream:
         client = UpstreamClient("payments", UpstreamConfig(url=upstream.url, **config))
         await client.start()
         clients.append(client)
-        return ResilientUpstream(
-            client, clock=fake_time, sleep=fake_time.sleep, uniform=fake_time.uniform
-        )
+        return ResilientUpstream(client, clock=clock, sleep=clock.sleep, uniform=clock.uniform)
 
     yield make
     for client in clients:
@@ -127,7 +120,7 @@ def charge_request(upstream: RecordingUpstream, behavior: str, key: str = "k1") 
 def open_keyed_charge(
     resilient: ResilientUpstream,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     behavior: str,
     *,
     key: str = "k1",
@@ -137,7 +130,7 @@ def open_keyed_charge(
     deadline (ten seconds: more than any retry loop here needs, unless a test says otherwise)."""
     return resilient.open(
         charge_request(upstream, behavior, key),
-        deadline=deadline(fake_time, seconds_left),
+        deadline=deadline(clock, seconds_left),
         plan=KEYED,
     )
 
@@ -149,95 +142,95 @@ async def status_of(answer: Awaitable[UpstreamResponse]) -> int:
 
 
 async def test_retry_after_sets_the_pause_between_attempts(
-    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+    make_resilient: MakeResilient, upstream: RecordingUpstream, clock: ManualClock
 ) -> None:
     resilient = await make_resilient(retry={"max_attempts": 3})
 
     status = await status_of(
-        open_keyed_charge(resilient, upstream, fake_time, "status=503,retry-after=3")
+        open_keyed_charge(resilient, upstream, clock, "status=503,retry-after=3")
     )
 
     assert status == 503
     assert upstream.count("k1") == 3
-    assert fake_time.sleeps == [3.0, 3.0]
+    assert clock.sleeps == [3.0, 3.0]
 
 
 async def test_retry_after_past_the_deadline_ends_the_loop(
     make_resilient: MakeResilient,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     retry_log: Callable[[], list[str]],
 ) -> None:
     resilient = await make_resilient(retry={"max_attempts": 3})
 
     status = await status_of(
-        open_keyed_charge(resilient, upstream, fake_time, "status=503,retry-after=20")
+        open_keyed_charge(resilient, upstream, clock, "status=503,retry-after=20")
     )
 
     assert status == 503
     assert upstream.count("k1") == 1
-    assert fake_time.sleeps == []
+    assert clock.sleeps == []
     assert count_containing(retry_log(), "a pause of 20.000s would not leave time") == 1
 
 
 async def test_pauses_are_full_jitter_growing_to_the_cap(
-    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+    make_resilient: MakeResilient, upstream: RecordingUpstream, clock: ManualClock
 ) -> None:
     resilient = await make_resilient(retry={"max_attempts": 4, "base": "100ms", "cap": "250ms"})
 
-    await status_of(open_keyed_charge(resilient, upstream, fake_time, "status=503"))
+    await status_of(open_keyed_charge(resilient, upstream, clock, "status=503"))
 
     assert upstream.count("k1") == 4
-    assert fake_time.jitter_bounds == [(0.0, 0.1), (0.0, 0.2), (0.0, 0.25)]
-    assert fake_time.sleeps == [0.1, 0.2, 0.25]
+    assert clock.jitter_bounds == [(0.0, 0.1), (0.0, 0.2), (0.0, 0.25)]
+    assert clock.sleeps == [0.1, 0.2, 0.25]
 
 
 async def test_a_deadline_with_no_time_left_sends_nothing(
-    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+    make_resilient: MakeResilient, upstream: RecordingUpstream, clock: ManualClock
 ) -> None:
     resilient = await make_resilient()
 
     with pytest.raises(DeadlineExhausted):
-        await open_keyed_charge(resilient, upstream, fake_time, "status=201", seconds_left=0.001)
+        await open_keyed_charge(resilient, upstream, clock, "status=201", seconds_left=0.001)
 
     assert upstream.total == 0
 
 
 async def test_an_open_breaker_stops_the_retry_loop_at_once(
-    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+    make_resilient: MakeResilient, upstream: RecordingUpstream, clock: ManualClock
 ) -> None:
     resilient = await make_resilient(
         retry={"max_attempts": 5}, breaker={"min_calls": 2, "failure_rate": 0.5}
     )
 
     with pytest.raises(CircuitOpen):
-        await open_keyed_charge(resilient, upstream, fake_time, "status=503")
+        await open_keyed_charge(resilient, upstream, clock, "status=503")
 
     # The second 503 opened the breaker: attempt 3 asked it and was refused.
     assert upstream.count("k1") == 2
-    assert resilient.breaker.state is BreakerState.OPEN
+    assert state_of(resilient.breaker) is BreakerState.OPEN
 
 
 async def test_an_empty_retry_budget_means_no_retry(
     make_resilient: MakeResilient,
     upstream: RecordingUpstream,
-    fake_time: FakeTime,
+    clock: ManualClock,
     retry_log: Callable[[], list[str]],
 ) -> None:
     resilient = await make_resilient(
         retry={"max_attempts": 3, "budget": {"ratio": 0, "min_per_second": 0}}
     )
 
-    status = await status_of(open_keyed_charge(resilient, upstream, fake_time, "status=503"))
+    status = await status_of(open_keyed_charge(resilient, upstream, clock, "status=503"))
 
     assert status == 503
     assert upstream.count("k1") == 1
-    assert fake_time.sleeps == []
+    assert clock.sleeps == []
     assert count_containing(retry_log(), "the retry budget is exhausted") == 1
 
 
 async def test_half_open_breaker_lets_only_half_open_calls_concurrent_probes_through(
-    make_resilient: MakeResilient, upstream: RecordingUpstream, fake_time: FakeTime
+    make_resilient: MakeResilient, upstream: RecordingUpstream, clock: ManualClock
 ) -> None:
     resilient = await make_resilient(
         retry={"max_attempts": 1},
@@ -245,16 +238,16 @@ async def test_half_open_breaker_lets_only_half_open_calls_concurrent_probes_thr
     )
     for key in ("fail-1", "fail-2"):
         status = await status_of(
-            open_keyed_charge(resilient, upstream, fake_time, "status=500", key=key)
+            open_keyed_charge(resilient, upstream, clock, "status=500", key=key)
         )
         assert status == 500
-    assert resilient.breaker.state is BreakerState.OPEN
-    fake_time.advance(10.0)
+    assert state_of(resilient.breaker) is BreakerState.OPEN
+    clock.advance(10.0)
 
     attempts = [
         asyncio.create_task(
             status_of(
-                open_keyed_charge(resilient, upstream, fake_time, "gate=probes", key=f"probe-{n}")
+                open_keyed_charge(resilient, upstream, clock, "gate=probes", key=f"probe-{n}")
             )
         )
         for n in range(6)
@@ -266,13 +259,13 @@ async def test_half_open_breaker_lets_only_half_open_calls_concurrent_probes_thr
     rejected = [task for task in attempts if task.done()]
     for task in rejected:
         assert isinstance(task.exception(), CircuitOpen)
-    assert resilient.breaker.state is BreakerState.HALF_OPEN
+    assert state_of(resilient.breaker) is BreakerState.HALF_OPEN
     upstream.release("probes")
     probes = [task for task in attempts if task not in rejected]
     assert await asyncio.gather(*probes) == [201, 201]
     assert upstream.arrivals("probes") == 2
     assert upstream.total == 2 + 2
-    assert resilient.breaker.state is BreakerState.CLOSED
+    assert state_of(resilient.breaker) is BreakerState.CLOSED
 
 
 # --------------------------------------------------------------- through the real gateway
@@ -329,22 +322,9 @@ def send(
     behavior: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Awaitable[httpx.Response]:
-    sent = dict(headers or {})
-    if key is not None:
-        sent["Idempotency-Key"] = key
-    if behavior is not None:
-        sent["X-Test-Behavior"] = behavior
-    body = {"json": {"amount": 1000}} if method in ("POST", "PUT", "PATCH") else {}
+    sent = keyed_headers(key, behavior=behavior, headers=headers)
+    body: dict[str, Any] = {"json": {"amount": 1000}} if method in ("POST", "PUT", "PATCH") else {}
     return gateway.client.request(method, CHARGES, headers=sent, **body)
-
-
-def assert_problem(response: httpx.Response, status: int, slug: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == "application/problem+json"
-    problem: dict[str, Any] = response.json()
-    assert problem["type"] == PROBLEM_TYPE_PREFIX + slug
-    assert problem["status"] == status
-    return problem
 
 
 async def record_status(store: RecordStore, key: str) -> Status:
@@ -652,7 +632,7 @@ async def test_breaker_opens_after_failures_and_then_spares_the_upstream(
     for _ in range(5):
         failing = await send(gateway, "GET", behavior="status=500")
         assert failing.status_code == 500
-    assert breaker.state is BreakerState.OPEN
+    assert state_of(breaker) is BreakerState.OPEN
     key = unique("breaker-open")
 
     rejected = await send(gateway, key=key)

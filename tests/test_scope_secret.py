@@ -28,8 +28,10 @@ from idempotency_gateway.idempotency.scope_secret import (
 )
 from idempotency_gateway.main import create_gateway
 from tests.support import RecordingUpstream, serve_asgi, write_config
+from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import CLI_SERVER_OPTIONS, GatewayLauncher, gateway_config, route
-from tests.support.keyed import AUTHORIZATION, CHARGE, CHARGES, is_replay, send_keyed
+from tests.support.keyed import AUTHORIZATION, is_replay, send_keyed
+from tests.support.problems import assert_problem
 from tests.support.servers import PROJECT_ROOT
 from tests.support.upstream import KEY_HEADER
 
@@ -133,10 +135,7 @@ async def test_a_route_refusing_anonymous_keyed_requests_answers_401_and_sends_n
             CHARGES, json=CHARGE, headers={KEY_HEADER: key, "Authorization": AUTHORIZATION}
         )
 
-    assert refused.status_code == 401
-    assert refused.headers["content-type"] == "application/problem+json"
-    problem = refused.json()
-    assert problem["type"].endswith(":credential-required")
+    problem = assert_problem(refused, 401, "credential-required")
     assert "authorization" in problem["detail"]
     assert unkeyed.status_code == 201
     assert credentialed.status_code == 201

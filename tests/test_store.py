@@ -27,8 +27,8 @@ from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Sta
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore, Reservation
 from idempotency_gateway.migrate import alembic_config, upgrade_to_head
-from tests.conftest import ManualClock
 from tests.support import free_port
+from tests.support.clock import ManualClock
 
 LEASE = 30.0
 TTL = 3600.0
@@ -237,14 +237,20 @@ async def test_take_over_of_expired_record_starts_a_new_life(
     assert await store.get(key) == reborn
 
 
-async def test_take_over_never_steals_a_live_execution_past_its_ttl(
-    store: RecordStore, clock: ManualClock, key: RecordKey
-) -> None:
+async def live_past_its_ttl(store: RecordStore, clock: ManualClock, key: RecordKey) -> Record:
+    """An execution whose TTL has passed while the owner still holds a renewed lease."""
     short = Claim(request_hash=FIRST_HASH, owner_id=new_owner(), lease=LEASE, ttl=LEASE)
     live = (await store.reserve(key, short)).record
     clock.advance(LEASE - 1)
     assert await store.renew_lease(key, fence_of(live), lease=LEASE)
     clock.advance(2)  # past the TTL, inside the renewed lease
+    return live
+
+
+async def test_take_over_never_steals_a_live_execution_past_its_ttl(
+    store: RecordStore, clock: ManualClock, key: RecordKey
+) -> None:
+    await live_past_its_ttl(store, clock, key)
     renewed = await store.get(key)
     assert renewed is not None
     assert not renewed.is_expired(clock.now)
@@ -257,11 +263,7 @@ async def test_take_over_never_steals_a_live_execution_past_its_ttl(
 async def test_finalize_after_the_ttl_keeps_the_answer_a_full_ttl(
     store: RecordStore, clock: ManualClock, key: RecordKey
 ) -> None:
-    short = Claim(request_hash=FIRST_HASH, owner_id=new_owner(), lease=LEASE, ttl=LEASE)
-    live = (await store.reserve(key, short)).record
-    clock.advance(LEASE - 1)
-    assert await store.renew_lease(key, fence_of(live), lease=LEASE)
-    clock.advance(2)
+    live = await live_past_its_ttl(store, clock, key)
     answer = StoredResponse(status=201, headers=[], body=b"slow but done")
 
     assert await store.finalize(
@@ -506,11 +508,7 @@ async def test_sweep_never_deletes_a_live_execution_past_its_ttl(
 ) -> None:
     clock.now = datetime(2001, 1, 1, tzinfo=UTC)
     await drain_expired_at(store, clock, after(clock, LEASE + 1))
-    short = Claim(request_hash=FIRST_HASH, owner_id=new_owner(), lease=LEASE, ttl=LEASE)
-    live = (await store.reserve(key, short)).record
-    clock.advance(LEASE - 1)
-    assert await store.renew_lease(key, fence_of(live), lease=LEASE)
-    clock.advance(2)
+    await live_past_its_ttl(store, clock, key)
 
     assert await store.sweep() == 0
     assert await store.get(key) is not None
@@ -523,8 +521,8 @@ async def test_sweep_never_deletes_a_live_execution_past_its_ttl(
 async def test_a_second_postgres_sweeper_stands_aside_while_one_holds_the_lock(
     postgres_url: str, clock: ManualClock
 ) -> None:
-    holder = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock)
-    other = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock)
+    holder = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock.utc)
+    other = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock.utc)
     try:
         async with holder.engine.connect() as connection:
             await connection.execute(select(func.pg_advisory_lock(SWEEP_LOCK_ID)))

@@ -24,6 +24,7 @@ from aiohttp import web
 from idempotency_gateway.idempotency.keys import MAX_KEY_LENGTH
 from tests.support import free_port
 from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
+from tests.support.problems import assert_problem
 
 API_KEY = "sk_test_gateway"
 
@@ -181,9 +182,7 @@ async def test_malformed_key_is_an_invalid_request_error_and_other_routes_keep_p
     assert_stripe_error(raised.value, 400, "invalid_request_error", "idempotency_key_invalid")
 
     problem = await gateway.client.post("/v1/refunds", json={})
-    assert problem.status_code == 400
-    assert problem.headers["content-type"] == "application/problem+json"
-    assert problem.json()["type"].endswith("idempotency-key-missing")
+    assert_problem(problem, 400, "idempotency-key-missing")
 
 
 async def test_unreachable_upstream_is_an_api_error(

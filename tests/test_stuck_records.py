@@ -16,7 +16,7 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.store import Claim, RecordStore
 from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
-from tests.conftest import ManualClock
+from tests.support.clock import ManualClock
 from tests.support.gateway import unreachable_database_url
 
 LEASE = 10.0
@@ -61,7 +61,7 @@ async def test_sampler_sets_the_gauge_and_keeps_it_while_the_store_is_down(
     assert sampled is not None
     assert sampled >= 2
 
-    down = RecordStore.from_url(unreachable_database_url(), StoreConfig(), clock=clock)
+    down = RecordStore.from_url(unreachable_database_url(), StoreConfig(), clock=clock.utc)
     try:
         sampler = StuckRecordsSampler(down.count_stuck)
         await sampler.sample()

@@ -36,10 +36,11 @@ from idempotency_gateway.idempotency.record import RecordKey, Status
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore
 from idempotency_gateway.operations.sweeper import Sweeper
-from tests.conftest import ManualClock
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support.charges import CHARGES
+from tests.support.clock import ManualClock
 from tests.support.gateway import unreachable_database_url
-from tests.support.keyed import CHARGES, keyed_gateway_config, record_key, send_keyed
+from tests.support.keyed import keyed_gateway_config, record_key, send_keyed
 from tests.support.servers import PROJECT_ROOT
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.upstream import EXECUTION_HEADER
@@ -185,7 +186,7 @@ async def test_sweeper_keeps_a_record_until_its_expiry(
 async def test_only_one_sweeper_runs_at_a_time_on_postgresql(
     postgres_url: str, long_ago: ManualClock, unique: Callable[[str], str]
 ) -> None:
-    stores = [RecordStore.from_url(postgres_url, StoreConfig(), clock=long_ago) for _ in "ab"]
+    stores = [RecordStore.from_url(postgres_url, StoreConfig(), clock=long_ago.utc) for _ in "ab"]
     sweepers = [Sweeper(store, SweeperConfig(batch_size=10)) for store in stores]
     try:
         expired = await write_records(stores[0], [unique("contended")], ttl=SHORT_TTL)
@@ -206,7 +207,7 @@ async def test_only_one_sweeper_runs_at_a_time_on_postgresql(
 async def test_sweep_command_says_another_sweeper_is_running(
     postgres_url: str, long_ago: ManualClock, unique: Callable[[str], str]
 ) -> None:
-    store = RecordStore.from_url(postgres_url, StoreConfig(), clock=long_ago)
+    store = RecordStore.from_url(postgres_url, StoreConfig(), clock=long_ago.utc)
     try:
         expired = await write_records(store, [unique("cli-contended")], ttl=SHORT_TTL)
 
@@ -237,7 +238,7 @@ async def test_serve_sweeps_expired_records_in_the_background(
     # The gateway's own SQLite file: a real-time sweeper every 200 ms must not touch the
     # shared PostgreSQL database, where other tests' records expire on their own clocks.
     clock = ManualClock()
-    store = RecordStore.from_url(sqlite_url, StoreConfig(), clock=clock)
+    store = RecordStore.from_url(sqlite_url, StoreConfig(), clock=clock.utc)
     clock.now = datetime.now(UTC) - timedelta(days=1)
     expired = await write_records(store, [unique("expired")], ttl=SHORT_TTL)
     clock.now = datetime.now(UTC)

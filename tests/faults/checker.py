@@ -34,23 +34,10 @@ from typing import Any
 
 import asyncpg
 
-from idempotency_gateway.errors import PROBLEM_TYPE_BASE
 from tests.faults.clients import Attempt, Operation, Send
 from tests.faults.upstream import disposition
+from tests.support.problems import DOCUMENTED_5XX, PROBLEM_JSON, problem_slug
 from tests.support.upstream import EXECUTION_HEADER, Execution
-
-# Every 5xx the gateway itself may answer, by problem type slug (README, "What the client sees").
-DOCUMENTED_5XX = {
-    "store-unavailable": 503,
-    "circuit-open": 503,
-    "upstream-unreachable": 502,
-    "upstream-connection-lost": 502,
-    "upstream-invalid-response": 502,
-    "deadline-exhausted": 504,
-    "upstream-timeout": 504,
-    "outcome-unknown": 504,
-}
-PROBLEM_JSON = "application/problem+json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,17 +77,6 @@ async def read_records(dsn: str, keys: Iterable[str]) -> dict[str, StoredRecord]
             response_body=body,
         )
     return records
-
-
-def problem_slug(body: bytes) -> str | None:
-    try:
-        document = json.loads(body)
-    except ValueError:
-        return None
-    kind = document.get("type") if isinstance(document, dict) else None
-    if isinstance(kind, str) and kind.startswith(PROBLEM_TYPE_BASE):
-        return kind[len(PROBLEM_TYPE_BASE) :]
-    return None
 
 
 def describe(status: int | None, body: bytes) -> str:

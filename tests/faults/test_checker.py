@@ -16,9 +16,9 @@ import pytest
 from idempotency_gateway.errors import PROBLEM_TYPE_BASE
 from tests.faults.checker import Report, StoredRecord, check
 from tests.faults.clients import Attempt, Operation, Send
+from tests.support.charges import CHARGES
 from tests.support.upstream import Execution
 
-CHARGES = "/v1/charges"  # on_ambiguous: fail
 TRANSFERS = "/v1/transfers"  # on_ambiguous: retry
 TENANT = "Bearer sk_test_checker"
 

@@ -17,13 +17,11 @@ import httpx
 from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.idempotency.keys import scope_of
 from idempotency_gateway.idempotency.record import RecordKey
+from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.gateway import gateway_config, route
 from tests.support.servers import TEST_SCOPE_SECRET
-from tests.support.upstream import BEHAVIOR_HEADER, KEY_HEADER
 
 AUTHORIZATION = "Bearer sk_test_keyed_requests"
-CHARGES = "/v1/charges"
-CHARGE = {"amount": 1000, "currency": "usd"}
 
 REPLAYED = "idempotent-replayed"
 PREFERENCE_APPLIED = "preference-applied"
@@ -57,9 +55,7 @@ async def send_keyed(
     prefer: str | None = None,
 ) -> httpx.Response:
     """POST ``json`` to ``path`` with ``Idempotency-Key: key`` and the fixed credential."""
-    headers = {"Authorization": AUTHORIZATION, KEY_HEADER: key}
-    if behavior is not None:
-        headers[BEHAVIOR_HEADER] = behavior
+    headers = keyed_headers(key, behavior=behavior, headers={"Authorization": AUTHORIZATION})
     if prefer is not None:
         headers["Prefer"] = prefer
     return await client.post(path, json=json, headers=headers)
