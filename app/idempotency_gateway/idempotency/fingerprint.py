@@ -7,7 +7,8 @@ share a fingerprint:
 
 - numbers are compared by exact decimal value (``20`` and ``19.999999999999999`` differ,
   integers of any size keep every digit); ``1``, ``1.0`` and ``1e0`` are the same value;
-- a body with a duplicate object key, a number the decimal type cannot hold, ``NaN``,
+- a body with a duplicate object key, a number the decimal type cannot hold or a number
+  literal over ``MAX_NUMBER_LITERAL`` characters, ``NaN``,
   a string that cannot be re-encoded, or anything that does not parse is hashed as bytes:
   still exact, only stricter (a changed byte is a different request).
 """
@@ -42,6 +43,18 @@ def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return members
 
 
+# Longer number literals are compared as bytes: exact all the same, and converting a
+# megabyte-long literal to a decimal would cost a second of CPU per request.
+# (4300 is Python's own default cap on int digits.)
+MAX_NUMBER_LITERAL = 4300
+
+
+def _exact_number(literal: str) -> decimal.Decimal:
+    if len(literal) > MAX_NUMBER_LITERAL:
+        raise _NotCanonical
+    return decimal.Decimal(literal)
+
+
 def _refuse_constant(name: str) -> Any:
     raise _NotCanonical  # NaN, Infinity: not JSON, and no exact value
 
@@ -52,11 +65,14 @@ def _canonical_number(value: decimal.Decimal) -> bytes:
     sign, digits, exponent = value.as_tuple()
     if not isinstance(exponent, int):
         raise _NotCanonical
-    while len(digits) > 1 and digits[-1] == 0:
-        digits, exponent = digits[:-1], exponent + 1
-    if digits == (0,):
+    # One pass over the digits: a body may hold a number with millions of trailing zeros,
+    # and dropping them one at a time would cost time quadratic in its length.
+    text = "".join(map(str, digits))
+    significant = text.rstrip("0")
+    if not significant:
         return b"0"
-    return (b"-" if sign else b"") + "".join(map(str, digits)).encode() + b"E%d" % exponent
+    exponent += len(text) - len(significant)
+    return (b"-" if sign else b"") + significant.encode() + b"E%d" % exponent
 
 
 def _canonical(value: Any, out: list[bytes]) -> None:
@@ -86,8 +102,8 @@ def canonical_json(content_type: bytes, body: bytes) -> bytes | None:
     try:
         parsed = json.loads(
             body,
-            parse_float=decimal.Decimal,
-            parse_int=decimal.Decimal,
+            parse_float=_exact_number,
+            parse_int=_exact_number,
             parse_constant=_refuse_constant,
             object_pairs_hook=_unique_members,
         )

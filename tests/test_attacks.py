@@ -1,0 +1,80 @@
+"""A hostile client against a real ``idempotency-gateway serve`` process, over raw sockets.
+
+Each test is an attack that once got through: the recording upstream says what reached it,
+and the gateway's answer says what the attacker got back. The invariants: an unkeyed request
+never reaches a ``key: required`` route, no client gets the answer of a different request,
+and no request body can stall a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import GatewayProcess, RecordingUpstream, write_config
+from tests.support.gateway import gateway_config, route
+from tests.test_edge_server import exchange, parse_reply, request
+
+CHARGES = "/v1/charges"
+CREDENTIAL = ("Authorization", "Bearer attacker")
+
+
+@contextlib.asynccontextmanager
+async def attacked_gateway(
+    tmp_path: Path, postgres_url: str, upstream_url: str
+) -> AsyncIterator[GatewayProcess]:
+    """Charges need a key and a credential; everything else is proxied unprotected."""
+    config = gateway_config(
+        upstream_url,
+        routes=[
+            route(CHARGES, key="required", anonymous="refuse", on_ambiguous="fail"),
+            route("/", name="default"),
+        ],
+        retry={"max_attempts": 1},
+    )
+    gateway = GatewayProcess(
+        write_config(tmp_path, config.model_dump(mode="json")),
+        env={"GATEWAY_DATABASE_URL": postgres_url},
+        log_dir=tmp_path,
+    )
+    async with gateway:
+        yield gateway
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with RecordingUpstream() as recording:
+        yield recording
+
+
+def new_key() -> str:
+    return f"attack-{uuid.uuid4()}"
+
+
+def keyed(key: str, body: bytes, *, target: str = CHARGES) -> bytes:
+    fields = [CREDENTIAL, ("Idempotency-Key", key), ("Content-Type", "application/json")]
+    return request("POST", target, [*fields, ("Connection", "close")], body)
+
+
+# ------------------------------------------------------------------------ fingerprint cost
+
+
+async def test_a_number_with_a_million_trailing_zeros_does_not_stall_the_fingerprint(
+    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream
+) -> None:
+    # Dropping trailing zeros one at a time was quadratic: this body held a worker's event
+    # loop for minutes, so the exchange's read bound (a hang, not a speed) ran out.
+    key = new_key()
+    body = b'{"amount": 1' + b"0" * 1_000_000 + b"}"
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        first = parse_reply(await exchange(gateway.port, keyed(key, body)))
+        retry = parse_reply(await exchange(gateway.port, keyed(key, body)))
+
+    assert first.status == 201
+    assert (retry.status, retry.headers["idempotent-replayed"]) == (201, "true")
+    [execution] = upstream.executions_for(key)
+    assert execution.body == body
