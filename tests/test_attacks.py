@@ -78,3 +78,33 @@ async def test_a_number_with_a_million_trailing_zeros_does_not_stall_the_fingerp
     assert (retry.status, retry.headers["idempotent-replayed"]) == (201, "true")
     [execution] = upstream.executions_for(key)
     assert execution.body == body
+
+
+# ------------------------------------------------------------------- routes and policies
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["/v1/charges;jsessionid=1", "/v1;x/charges", "/v1/;x/charges", "/v1/charges;a/ch_1"],
+)
+async def test_path_parameters_never_take_a_request_out_of_its_route(
+    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream, target: str
+) -> None:
+    # Servlet containers drop ";parameters" from each segment: an unkeyed POST to
+    # /v1/charges;x=1 ran /v1/charges upstream while the gateway saw no such route.
+    test_id = new_key()
+    unkeyed = request(
+        "POST", target, [CREDENTIAL, ("X-Test-Id", test_id), ("Connection", "close")], b"{}"
+    )
+    key = new_key()
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        refused = parse_reply(await exchange(gateway.port, unkeyed))
+        protected = parse_reply(await exchange(gateway.port, keyed(key, b"{}", target=target)))
+        replayed = parse_reply(await exchange(gateway.port, keyed(key, b"{}", target=target)))
+
+    assert (refused.status, refused.problem_slug) == (400, "idempotency-key-missing")
+    assert upstream.executions_of_test_id(test_id) == []
+    assert protected.status == 201
+    assert replayed.headers["idempotent-replayed"] == "true"
+    [execution] = upstream.executions_for(key)
+    assert execution.raw_path == target
