@@ -108,3 +108,35 @@ async def test_path_parameters_never_take_a_request_out_of_its_route(
     assert replayed.headers["idempotent-replayed"] == "true"
     [execution] = upstream.executions_for(key)
     assert execution.raw_path == target
+
+
+# ------------------------------------------------------------------ fields that reroute
+
+
+@pytest.mark.parametrize(
+    ("method", "field"),
+    [
+        ("POST", ("X-Original-URL", CHARGES)),
+        ("POST", ("X-Rewrite-URL", CHARGES)),
+        ("GET", ("X-HTTP-Method-Override", "POST")),
+        ("GET", ("X-HTTP-Method", "POST")),
+        ("GET", ("x-method-override", "POST")),
+    ],
+)
+async def test_a_field_naming_another_target_or_method_is_refused(
+    tmp_path: Path,
+    postgres_url: str,
+    upstream: RecordingUpstream,
+    method: str,
+    field: tuple[str, str],
+) -> None:
+    # Frameworks behind a proxy obey these fields: the upstream would have run an unkeyed
+    # POST /v1/charges that the gateway routed as /public, or as a safe (retried) GET.
+    test_id = new_key()
+    fields = [CREDENTIAL, field, ("X-Test-Id", test_id), ("Connection", "close")]
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        reply = parse_reply(await exchange(gateway.port, request(method, "/public", fields, b"{}")))
+
+    assert (reply.status, reply.problem_slug) == (400, "request-target-invalid")
+    assert field[0].lower() in reply.body.decode().lower()
+    assert upstream.executions_of_test_id(test_id) == []
