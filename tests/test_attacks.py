@@ -140,3 +140,25 @@ async def test_a_field_naming_another_target_or_method_is_refused(
     assert (reply.status, reply.problem_slug) == (400, "request-target-invalid")
     assert field[0].lower() in reply.body.decode().lower()
     assert upstream.executions_of_test_id(test_id) == []
+
+
+# ------------------------------------------------------------------------------- scopes
+
+
+@pytest.mark.parametrize("raw_field", [b"Authorization:", b"Authorization: \t "])
+async def test_an_empty_credential_is_no_credential(
+    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream, raw_field: bytes
+) -> None:
+    # An empty Authorization field was hashed as a credential: a scope shared by everyone
+    # sending one, past the route's refusal of anonymous keyed requests.
+    key = new_key()
+    charge = (
+        f"POST {CHARGES} HTTP/1.1\r\nHost: edge.test\r\nIdempotency-Key: {key}\r\n".encode()
+        + raw_field
+        + b"\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+    )
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        reply = parse_reply(await exchange(gateway.port, charge))
+
+    assert (reply.status, reply.problem_slug) == (401, "credential-required")
+    assert upstream.executions_for(key) == []

@@ -165,6 +165,8 @@ def test_different_credentials_give_different_scopes() -> None:
     [
         pytest.param([], id="no-headers"),
         pytest.param([(b"x-api-key", b"secret")], id="unconfigured-credential-header"),
+        pytest.param([(b"authorization", b"")], id="empty-credential"),
+        pytest.param([(b"authorization", b" \t"), (b"authorization", b"")], id="blank-credentials"),
     ],
 )
 def test_no_credential_is_anonymous(headers: Headers) -> None:
