@@ -17,7 +17,7 @@ import pytest
 
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.gateway import gateway_config, route
-from tests.test_edge_server import exchange, parse_reply, request
+from tests.test_edge_server import Reply, exchange, parse_reply, request
 
 CHARGES = "/v1/charges"
 CREDENTIAL = ("Authorization", "Bearer attacker")
@@ -162,3 +162,32 @@ async def test_an_empty_credential_is_no_credential(
 
     assert (reply.status, reply.problem_slug) == (401, "credential-required")
     assert upstream.executions_for(key) == []
+
+
+# ------------------------------------------------------------------------- false replays
+
+
+async def test_reordered_values_of_one_query_field_are_another_request(
+    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream
+) -> None:
+    # The query was sorted pair by pair: amount=1&amount=1000 and amount=1000&amount=1 shared
+    # a fingerprint, so the second, which a last-value-wins upstream reads as amount=1, got
+    # the first one's answer replayed.
+    key = new_key()
+
+    async def charge(query: str) -> Reply:
+        target = f"{CHARGES}?{query}"
+        return parse_reply(await exchange(gateway.port, keyed(key, b"{}", target=target)))
+
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        first = await charge("amount=1&amount=1000&currency=usd")
+        values_reordered = await charge("amount=1000&amount=1&currency=usd")
+        names_reordered = await charge("currency=usd&amount=1&amount=1000")
+
+    assert first.status == 201
+    assert (values_reordered.status, values_reordered.problem_slug) == (
+        422,
+        "idempotency-key-reused",
+    )
+    assert names_reordered.headers["idempotent-replayed"] == "true"
+    assert len(upstream.executions_for(key)) == 1

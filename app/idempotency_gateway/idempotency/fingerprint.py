@@ -1,9 +1,9 @@
 """The request fingerprint (``request_hash``) that tells a retry from a different request.
 
-SHA-256 over method, canonical path bytes, sorted query, content type, chosen extra headers
-and the body. JSON bodies are canonicalized first, so key order and whitespace do not turn a
-faithful retry into a 422; the canonical form is lossless, so two different requests never
-share a fingerprint:
+SHA-256 over method, canonical path bytes, the query ordered by name, content type, chosen
+extra headers and the body. JSON bodies are canonicalized first, so key order and whitespace
+do not turn a faithful retry into a 422; the canonical form is lossless, so two different
+requests never share a fingerprint:
 
 - numbers are compared by exact decimal value (``20`` and ``19.999999999999999`` differ,
   integers of any size keep every digit); ``1``, ``1.0`` and ``1e0`` are the same value;
@@ -19,7 +19,7 @@ import decimal
 import hashlib
 import json
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import unquote_to_bytes
 
 import orjson
 
@@ -120,6 +120,26 @@ def canonical_json(content_type: bytes, body: bytes) -> bytes | None:
     return b"".join(out)
 
 
+def _query_fields(query_string: bytes) -> list[tuple[bytes, bytes | None]]:
+    """The query's fields, percent-decoded to bytes and ordered by name only.
+
+    Different names commute, but a repeated name keeps the order its values came in:
+    frameworks read ``a=1&a=2`` as a list, or take its first or its last value, so
+    ``amount=1&amount=1000`` and ``amount=1000&amount=1`` are two different requests."""
+    fields: list[tuple[bytes, bytes | None]] = []
+    for pair in query_string.split(b"&"):
+        if not pair:
+            continue
+        name, equals, value = pair.partition(b"=")
+        fields.append((_unquote_plus(name), _unquote_plus(value) if equals else None))
+    fields.sort(key=lambda field: field[0])  # stable: values of one name keep their order
+    return fields
+
+
+def _unquote_plus(text: bytes) -> bytes:
+    return unquote_to_bytes(text.replace(b"+", b" "))
+
+
 def _field(digest: hashlib._Hash, value: bytes) -> None:
     # Length-prefixed, so no two different requests can concatenate to the same input.
     digest.update(len(value).to_bytes(8, "big"))
@@ -138,15 +158,14 @@ def request_hash(
     digest = hashlib.sha256()
     _field(digest, method.encode())
     _field(digest, path)
-    # Percent-decoded to latin-1, one code point per byte: every query decodes and encodes
-    # back exactly (UTF-8 decoding turned "%E2%82%AC" into a character latin-1 cannot hold).
-    query = sorted(
-        parse_qsl(query_string.decode("latin-1"), keep_blank_values=True, encoding="latin-1")
-    )
-    _field(digest, str(len(query)).encode())
+    query = _query_fields(query_string)
+    # "flag" and "flag=" stay apart (Rails and PHP read them as null and ""): the fields with
+    # no "=" are listed after the count, so a query without one hashes as it always did.
+    bare = b",".join(b"%d" % index for index, (_, value) in enumerate(query) if value is None)
+    _field(digest, str(len(query)).encode() + (b" bare " + bare if bare else b""))
     for query_name, query_value in query:
-        _field(digest, query_name.encode("latin-1"))
-        _field(digest, query_value.encode("latin-1"))
+        _field(digest, query_name)
+        _field(digest, query_value or b"")
     content_type = first_header(headers, b"content-type") or b""
     _field(digest, content_type)
     for name in extra_headers:
