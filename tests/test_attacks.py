@@ -191,3 +191,25 @@ async def test_reordered_values_of_one_query_field_are_another_request(
     )
     assert names_reordered.headers["idempotent-replayed"] == "true"
     assert len(upstream.executions_for(key)) == 1
+
+
+# ---------------------------------------------------------------------- header values
+
+
+async def test_a_wait_of_five_thousand_digits_is_only_a_long_wait(
+    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream
+) -> None:
+    # int() refuses strings over 4300 digits: this was a plain-text 500.
+    key = new_key()
+    charge = request(
+        "POST",
+        CHARGES,
+        [CREDENTIAL, ("Idempotency-Key", key), ("Prefer", "wait=" + "9" * 5000)],
+        b"{}",
+    )
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        reply = parse_reply(await exchange(gateway.port, charge))
+        assert "Traceback" not in gateway.log_text()
+
+    assert reply.status == 201
+    assert len(upstream.executions_for(key)) == 1
