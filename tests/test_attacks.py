@@ -213,3 +213,39 @@ async def test_a_wait_of_five_thousand_digits_is_only_a_long_wait(
 
     assert reply.status == 201
     assert len(upstream.executions_for(key)) == 1
+
+
+@pytest.mark.parametrize(
+    ("encoded", "fields"),
+    [
+        (b"\xef\xbb\xbf" + b'{"amount": 1000}', []),
+        ('{"amount": 1000}'.encode("utf-16"), []),
+        (b'{"amount": 1000}', [("Content-Encoding", "gzip")]),
+    ],
+    ids=["utf-8-bom", "utf-16", "content-encoding"],
+)
+async def test_a_body_the_upstream_would_decode_differently_is_another_request(
+    tmp_path: Path,
+    postgres_url: str,
+    upstream: RecordingUpstream,
+    encoded: bytes,
+    fields: list[tuple[str, str]],
+) -> None:
+    # json.loads reads UTF-16, UTF-32 and a BOM, and Content-Encoding was not fingerprinted:
+    # these bodies, which many upstreams refuse or decode to something else, got the plain
+    # UTF-8 request's answer replayed.
+    key = new_key()
+    plain = keyed(key, b'{"amount": 1000}')
+    other = request(
+        "POST",
+        CHARGES,
+        [CREDENTIAL, ("Idempotency-Key", key), ("Content-Type", "application/json"), *fields],
+        encoded,
+    )
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        first = parse_reply(await exchange(gateway.port, plain))
+        second = parse_reply(await exchange(gateway.port, other))
+
+    assert first.status == 201
+    assert (second.status, second.problem_slug) == (422, "idempotency-key-reused")
+    assert len(upstream.executions_for(key)) == 1

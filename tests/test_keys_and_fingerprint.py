@@ -356,6 +356,9 @@ def test_query_values_change_the_hash(query: bytes, other_query: bytes) -> None:
         pytest.param({"content_type": b"application/x-www-form-urlencoded"}, id="content-type"),
         pytest.param({"content_type": None}, id="no-content-type"),
         pytest.param({"body": b""}, id="empty-body"),
+        pytest.param({"headers": [(b"content-encoding", b"gzip")]}, id="content-encoding"),
+        pytest.param({"body": b'\xef\xbb\xbf{"amount":1250,"currency":"EUR"}'}, id="bom"),
+        pytest.param({"body": '{"amount":1250,"currency":"EUR"}'.encode("utf-16")}, id="utf-16"),
     ],
 )
 def test_request_line_content_type_and_body_change_the_hash(difference: dict[str, object]) -> None:

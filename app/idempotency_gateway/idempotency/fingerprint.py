@@ -7,10 +7,11 @@ requests never share a fingerprint:
 
 - numbers are compared by exact decimal value (``20`` and ``19.999999999999999`` differ,
   integers of any size keep every digit); ``1``, ``1.0`` and ``1e0`` are the same value;
-- a body with a duplicate object key, a number the decimal type cannot hold or a number
-  literal over ``MAX_NUMBER_LITERAL`` characters, ``NaN``,
-  a string that cannot be re-encoded, or anything that does not parse is hashed as bytes:
-  still exact, only stricter (a changed byte is a different request).
+- a body with a duplicate object key, a number the decimal type cannot hold, a number
+  literal over ``MAX_NUMBER_LITERAL`` characters, ``NaN``, a string that cannot be
+  re-encoded, a body not in UTF-8 (or led by a byte order mark) or under a
+  ``Content-Encoding``, or anything that does not parse is hashed as bytes: still exact,
+  only stricter (a changed byte is a different request).
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def canonical_json(content_type: bytes, body: bytes) -> bytes | None:
     if not body or not _is_json(content_type):
         return None
     try:
+        # UTF-8 with no byte order mark only (RFC 8259 section 8.1): json.loads would also
+        # read UTF-16, UTF-32 and a BOM, which many upstreams refuse; as bytes they differ.
         parsed = json.loads(
-            body,
+            body.decode("utf-8"),
             parse_float=_exact_number,
             parse_int=_exact_number,
             parse_constant=_refuse_constant,
@@ -111,7 +114,7 @@ def canonical_json(content_type: bytes, body: bytes) -> bytes | None:
         _canonical(parsed, out)
     except (
         _NotCanonical,
-        ValueError,  # not JSON, not UTF-8/16/32
+        ValueError,  # not JSON, not UTF-8 (UnicodeDecodeError), a BOM
         decimal.InvalidOperation,  # an exponent beyond what Decimal holds
         orjson.JSONEncodeError,  # a lone surrogate in a string
         RecursionError,
@@ -167,13 +170,17 @@ def request_hash(
         _field(digest, query_name)
         _field(digest, query_value or b"")
     content_type = first_header(headers, b"content-type") or b""
-    _field(digest, content_type)
+    encoding = first_header(headers, b"content-encoding")
+    # The same bytes mean another body once the upstream decodes them, and JSON is compared
+    # canonically only as sent in the clear. (No field value holds NUL: the parser refuses
+    # it, so a request with no Content-Encoding hashes as it always did.)
+    _field(digest, content_type if encoding is None else content_type + b"\x00" + encoding)
     for name in extra_headers:
         values = header_values(headers, name)
         _field(digest, name + b":" + str(len(values)).encode())
         for value in values:
             _field(digest, value)
-    canonical = canonical_json(content_type, body)
+    canonical = canonical_json(content_type, body) if encoding is None else None
     # Tagged, so a canonical form never equals a body compared as bytes.
     _field(digest, b"bytes" if canonical is None else b"json")
     _field(digest, body if canonical is None else canonical)
