@@ -249,3 +249,48 @@ async def test_a_body_the_upstream_would_decode_differently_is_another_request(
     assert first.status == 201
     assert (second.status, second.problem_slug) == (422, "idempotency-key-reused")
     assert len(upstream.executions_for(key)) == 1
+
+
+# ---------------------------------------------------------------------- request heads
+
+
+REFUSED_HEADS = {
+    "two hosts": b"GET /public HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n",
+    "no host": b"GET /public HTTP/1.1\r\n",
+    "a host with a path": b"GET /public HTTP/1.1\r\nHost: evil.test/../admin\r\n",
+    "a host not in ASCII": b"GET /public HTTP/1.1\r\nHost: \xff.test\r\n",
+    "two hosts in HTTP/1.0": b"GET /public HTTP/1.0\r\nHost: a.test\r\nHost: b.test\r\n",
+    "an HTTP/2.0 request line": b"GET /public HTTP/2.0\r\nHost: a.test\r\n",
+    "HTTP/0.9": b"GET /public\r\n",
+    "two hosts and an upgrade offer": b"GET /public HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n"
+    b"Connection: Upgrade\r\nUpgrade: h2c\r\n",
+}
+SERVED_HEADS = {
+    "an IPv6 literal": b"GET /public HTTP/1.1\r\nHost: [::1]:8080\r\n",
+    "a name": b"GET /public HTTP/1.1\r\nHost: api.example.com\r\n",
+    "an empty host": b"GET /public HTTP/1.1\r\nHost:\r\n",
+    "HTTP/1.0 without a host": b"GET /public HTTP/1.0\r\n",
+}
+
+
+async def test_heads_rfc_9112_says_to_refuse_are_refused(
+    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream
+) -> None:
+    # They were proxied: the first Host became X-Forwarded-Host (which applications build
+    # links from) whatever the others said, and HTTP/0.9 or 2.0 was answered as HTTP/1.1.
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        refused = {
+            case: parse_reply(await exchange(gateway.port, head + b"\r\n"))
+            for case, head in REFUSED_HEADS.items()
+        }
+        served = {
+            case: parse_reply(await exchange(gateway.port, head + b"Connection: close\r\n\r\n"))
+            for case, head in SERVED_HEADS.items()
+        }
+
+    for case, reply in refused.items():
+        assert (reply.status, reply.problem_slug) == (400, "malformed-request"), case
+        assert reply.headers["connection"] == "close", case
+    for case, reply in served.items():
+        assert reply.status == 201, case
+    assert upstream.total == len(SERVED_HEADS)

@@ -402,7 +402,7 @@ async def test_slow_heads_and_bodies_are_408_and_execute_nothing(
         # Answered early (413 from Content-Length), then stalled: the connection closes at the
         # body deadline with no second answer the client would take for its next request's.
         early = await exchange(
-            gateway.port, b"POST / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\nab"
+            gateway.port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\nab"
         )
         nothing_ran = upstream.total
         # The key stayed unused: the same request sent whole executes once.
