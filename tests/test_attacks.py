@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import GatewayProcess, RecordingUpstream, write_config
+from idempotency_gateway.asgi import Receive, Scope, Send
+from idempotency_gateway.telemetry.request_log import AccessLogMiddleware
+from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_config
 from tests.support.gateway import gateway_config, route
 from tests.test_edge_server import Reply, exchange, parse_reply, request
 
@@ -294,3 +296,30 @@ async def test_heads_rfc_9112_says_to_refuse_are_refused(
     for case, reply in served.items():
         assert reply.status == 201, case
     assert upstream.total == len(SERVED_HEADS)
+
+
+# ---------------------------------------------------------------- the last line of defence
+
+
+async def failing_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """Fails before answering on /before, after its response head on /after."""
+    if scope["path"] == "/after":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+    raise RuntimeError("a bug")
+
+
+async def test_an_unexpected_error_is_a_500_problem_not_a_plain_text_page() -> None:
+    # A 5000-digit Prefer: wait once reached the server's plain-text 500 this way.
+    async with serve_asgi(AccessLogMiddleware(failing_app), lifespan="off") as url:
+        port = int(url.rsplit(":", 1)[1])
+        before = parse_reply(
+            await exchange(port, request("GET", "/before", [("X-Request-Id", "req-1")]))
+        )
+        after = await exchange(port, request("GET", "/after", [("Connection", "close")]))
+
+    assert (before.status, before.problem_slug) == (500, "internal-error")
+    assert b"a bug" not in before.body
+    assert b'"request_id":"req-1"' in before.body
+    # Once a head went out nothing can replace it: the answer is cut short, never doubled.
+    assert after.startswith(b"HTTP/1.1 200 ")
+    assert after.count(b"HTTP/1.1 ") == 1
