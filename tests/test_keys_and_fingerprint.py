@@ -357,12 +357,28 @@ def test_query_values_change_the_hash(query: bytes, other_query: bytes) -> None:
         pytest.param({"content_type": None}, id="no-content-type"),
         pytest.param({"body": b""}, id="empty-body"),
         pytest.param({"headers": [(b"content-encoding", b"gzip")]}, id="content-encoding"),
+        pytest.param({"headers": [(b"content-type", b"text/plain")]}, id="two-content-types"),
         pytest.param({"body": b'\xef\xbb\xbf{"amount":1250,"currency":"EUR"}'}, id="bom"),
         pytest.param({"body": '{"amount":1250,"currency":"EUR"}'.encode("utf-16")}, id="utf-16"),
     ],
 )
 def test_request_line_content_type_and_body_change_the_hash(difference: dict[str, object]) -> None:
     assert fingerprint(**difference) != fingerprint()  # type: ignore[arg-type]
+
+
+def test_two_content_types_compare_the_body_as_bytes() -> None:
+    # The upstream may obey the second type: {"a":1} and {"a":1.0} are then two texts.
+    both = [(b"content-type", b"text/plain")]
+    assert fingerprint(body=b'{"a":1}', headers=both) != fingerprint(
+        body=b'{"a":1.0}', headers=both
+    )
+    assert fingerprint(body=b'{"a":1}') == fingerprint(body=b'{"a":1.0}')
+
+
+def test_content_type_and_encoding_lists_never_run_together() -> None:
+    assert fingerprint(
+        content_type=None, headers=[(b"content-type", b"a"), (b"content-type", b"b")]
+    ) != fingerprint(content_type=b"a", headers=[(b"content-encoding", b"b")])
 
 
 def test_configured_extra_headers_change_the_hash() -> None:

@@ -9,9 +9,9 @@ requests never share a fingerprint:
   integers of any size keep every digit); ``1``, ``1.0`` and ``1e0`` are the same value;
 - a body with a duplicate object key, a number the decimal type cannot hold, a number
   literal over ``MAX_NUMBER_LITERAL`` characters, ``NaN``, a string that cannot be
-  re-encoded, a body not in UTF-8 (or led by a byte order mark) or under a
-  ``Content-Encoding``, or anything that does not parse is hashed as bytes: still exact,
-  only stricter (a changed byte is a different request).
+  re-encoded, a body not in UTF-8 (or led by a byte order mark), under a
+  ``Content-Encoding`` or under two content types, or anything that does not parse is
+  hashed as bytes: still exact, only stricter (a changed byte is a different request).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from urllib.parse import unquote_to_bytes
 
 import orjson
 
-from idempotency_gateway.asgi import Headers, first_header, header_values
+from idempotency_gateway.asgi import Headers, header_values
 
 
 class _NotCanonical(Exception):
@@ -143,6 +143,13 @@ def _unquote_plus(text: bytes) -> bytes:
     return unquote_to_bytes(text.replace(b"+", b" "))
 
 
+def _listed(values: list[bytes]) -> bytes:
+    """Field values, count and lengths first, so no two lists encode alike; led by NUL, which
+    no field value holds (the HTTP parser refuses it), so never equal to one plain value."""
+    encoded = b"".join(len(value).to_bytes(4, "big") + value for value in values)
+    return b"\x00" + len(values).to_bytes(4, "big") + encoded
+
+
 def _field(digest: hashlib._Hash, value: bytes) -> None:
     # Length-prefixed, so no two different requests can concatenate to the same input.
     digest.update(len(value).to_bytes(8, "big"))
@@ -169,18 +176,20 @@ def request_hash(
     for query_name, query_value in query:
         _field(digest, query_name)
         _field(digest, query_value or b"")
-    content_type = first_header(headers, b"content-type") or b""
-    encoding = first_header(headers, b"content-encoding")
-    # The same bytes mean another body once the upstream decodes them, and JSON is compared
-    # canonically only as sent in the clear. (No field value holds NUL: the parser refuses
-    # it, so a request with no Content-Encoding hashes as it always did.)
-    _field(digest, content_type if encoding is None else content_type + b"\x00" + encoding)
+    content_types = header_values(headers, b"content-type")
+    encodings = header_values(headers, b"content-encoding")
+    # JSON is compared canonically only under one content type, sent in the clear: the same
+    # bytes mean another body once the upstream decodes them, and of two content types it
+    # may obey either. Such a request hashes every value; one content type hashes as always.
+    plain = len(content_types) <= 1 and not encodings
+    content_type = content_types[0] if content_types else b""
+    _field(digest, content_type if plain else _listed(content_types) + _listed(encodings))
     for name in extra_headers:
         values = header_values(headers, name)
         _field(digest, name + b":" + str(len(values)).encode())
         for value in values:
             _field(digest, value)
-    canonical = canonical_json(content_type, body) if encoding is None else None
+    canonical = canonical_json(content_type, body) if plain else None
     # Tagged, so a canonical form never equals a body compared as bytes.
     _field(digest, b"bytes" if canonical is None else b"json")
     _field(digest, body if canonical is None else canonical)
