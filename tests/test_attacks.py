@@ -17,34 +17,19 @@ import pytest
 
 from idempotency_gateway.asgi import Receive, Scope, Send
 from idempotency_gateway.telemetry.request_log import AccessLogMiddleware
-from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_config
-from tests.support.gateway import gateway_config, route
-from tests.test_edge_server import Reply, exchange, parse_reply, request
+from tests.support import GatewayProcess, RecordingUpstream, serve_asgi
+from tests.test_edge_server import CHARGES, Reply, edge_gateway, exchange, parse_reply, request
 
-CHARGES = "/v1/charges"
 CREDENTIAL = ("Authorization", "Bearer attacker")
 
 
-@contextlib.asynccontextmanager
-async def attacked_gateway(
+def attacked_gateway(
     tmp_path: Path, postgres_url: str, upstream_url: str
-) -> AsyncIterator[GatewayProcess]:
+) -> contextlib.AbstractAsyncContextManager[GatewayProcess]:
     """Charges need a key and a credential; everything else is proxied unprotected."""
-    config = gateway_config(
-        upstream_url,
-        routes=[
-            route(CHARGES, key="required", anonymous="refuse", on_ambiguous="fail"),
-            route("/", name="default"),
-        ],
-        retry={"max_attempts": 1},
+    return edge_gateway(
+        tmp_path, postgres_url, upstream_url, on_ambiguous="fail", anonymous="refuse"
     )
-    gateway = GatewayProcess(
-        write_config(tmp_path, config.model_dump(mode="json")),
-        env={"GATEWAY_DATABASE_URL": postgres_url},
-        log_dir=tmp_path,
-    )
-    async with gateway:
-        yield gateway
 
 
 @pytest.fixture

@@ -106,12 +106,13 @@ async def edge_gateway(
     upstream_url: str,
     *,
     on_ambiguous: str = "retry",
+    anonymous: str = "allow",
     **settings: Any,
 ) -> AsyncIterator[GatewayProcess]:
     config = gateway_config(
         upstream_url,
         routes=[
-            route(CHARGES, key="required", on_ambiguous=on_ambiguous),
+            route(CHARGES, key="required", on_ambiguous=on_ambiguous, anonymous=anonymous),
             route("/", name="default"),
         ],
         retry={"max_attempts": 1},
