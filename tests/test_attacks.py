@@ -308,3 +308,21 @@ async def test_an_unexpected_error_is_a_500_problem_not_a_plain_text_page() -> N
     # Once a head went out nothing can replace it: the answer is cut short, never doubled.
     assert after.startswith(b"HTTP/1.1 200 ")
     assert after.count(b"HTTP/1.1 ") == 1
+
+
+async def test_a_retry_with_other_path_parameters_never_executes_twice(
+    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream
+) -> None:
+    # A servlet upstream runs /v1/charges for both: as two records they were two charges.
+    key = new_key()
+    async with attacked_gateway(tmp_path, postgres_url, upstream.url) as gateway:
+        first = parse_reply(
+            await exchange(gateway.port, keyed(key, b"{}", target=f"{CHARGES};jsessionid=a"))
+        )
+        renewed = parse_reply(
+            await exchange(gateway.port, keyed(key, b"{}", target=f"{CHARGES};jsessionid=b"))
+        )
+
+    assert first.status == 201
+    assert (renewed.status, renewed.problem_slug) == (422, "idempotency-key-reused")
+    assert len(upstream.executions_for(key)) == 1

@@ -19,7 +19,7 @@ from idempotency_gateway.target import canonical_prefix, remember, target_or_ref
 T = TypeVar("T")
 
 
-def _without_parameters(path: str) -> str:
+def path_without_parameters(path: str) -> str:
     """The path as servlet containers (Tomcat, Jetty, Spring) resolve it: every segment's
     ``;parameters`` dropped, so ``/v1/charges;x=1`` and ``/v1;x/charges`` reach the upstream's
     ``/v1/charges`` handler. Routes match on this form, or such a path would pass a route's
@@ -42,7 +42,7 @@ class PrefixRouter(Generic[T]):
         )
 
     def match(self, path: str) -> T | None:
-        path = _without_parameters(path)
+        path = path_without_parameters(path)
         for prefix, value in self._entries:
             if not prefix or path == prefix or path.startswith(prefix + "/"):
                 return value
