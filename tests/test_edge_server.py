@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,103 +24,26 @@ from idempotency_gateway.config import (
 )
 from idempotency_gateway.idempotency import IdempotencyMiddleware
 from idempotency_gateway.idempotency.store import RecordStore
-from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
+from tests.support import RecordingUpstream, eventually, serve_asgi
 from tests.support.charges import CHARGES
-from tests.support.gateway import gateway_config, route
-from tests.support.problems import PROBLEM_JSON, slug_of
+from tests.support.edge import (
+    READ_BOUND,
+    assert_closing_problem,
+    edge_gateway,
+    exchange,
+    new_key,
+    parse_reply,
+    request,
+)
+from tests.support.gateway import gateway_config
 from tests.support.servers import TEST_SCOPE_SECRET
 
-READ_BOUND = 15.0
 TIGHT_LIMITS = {
     "max_request_head": "4KiB",
     "max_header_fields": 20,
     "request_head_timeout": "1s",
     "request_body_timeout": "1s",
 }
-
-
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    headers: dict[str, str]
-    """Lower-cased names; the last value when a name repeats."""
-    head: bytes
-    body: bytes
-
-    @property
-    def problem_slug(self) -> str:
-        assert self.headers.get("content-type") == PROBLEM_JSON, self.head
-        return slug_of(json.loads(self.body)["type"])
-
-
-def assert_closing_problem(reply: Reply, status: int, slug: str) -> None:
-    assert (reply.status, reply.problem_slug) == (status, slug)
-    assert reply.headers["connection"] == "close"
-
-
-def parse_reply(data: bytes) -> Reply:
-    head, separator, body = data.partition(b"\r\n\r\n")
-    assert separator, f"no complete response head in {data[:200]!r}"
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return Reply(int(status_line.split(" ")[1]), headers, head, body)
-
-
-async def exchange(port: int, *writes: bytes) -> bytes:
-    """Writes each chunk separately, then reads until the gateway closes the connection."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        for chunk in writes:
-            writer.write(chunk)
-            await writer.drain()
-        return await asyncio.wait_for(reader.read(), READ_BOUND)
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-
-
-def request(
-    method: str, path: str, fields: Sequence[tuple[str, str]] = (), body: bytes = b""
-) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: edge.test", *(f"{n}: {v}" for n, v in fields)]
-    if body:
-        lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
-def new_key() -> str:
-    return f"edge-{uuid.uuid4()}"
-
-
-@contextlib.asynccontextmanager
-async def edge_gateway(
-    tmp_path: Path,
-    postgres_url: str,
-    upstream_url: str,
-    *,
-    on_ambiguous: str = "retry",
-    **settings: Any,
-) -> AsyncIterator[GatewayProcess]:
-    config = gateway_config(
-        upstream_url,
-        routes=[
-            route(CHARGES, key="required", on_ambiguous=on_ambiguous),
-            route("/", name="default"),
-        ],
-        retry={"max_attempts": 1},
-        **settings,
-    )
-    gateway = GatewayProcess(
-        write_config(tmp_path, config.model_dump(mode="json")),
-        env={"GATEWAY_DATABASE_URL": postgres_url},
-        log_dir=tmp_path,
-    )
-    async with gateway:
-        yield gateway
 
 
 @pytest.fixture
@@ -406,7 +325,7 @@ async def test_slow_heads_and_bodies_are_408_and_execute_nothing(
         # Answered early (413 from Content-Length), then stalled: the connection closes at the
         # body deadline with no second answer the client would take for its next request's.
         early = await exchange(
-            gateway.port, b"POST / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\nab"
+            gateway.port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\nab"
         )
         nothing_ran = upstream.total
         # The key stayed unused: the same request sent whole executes once.

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idempotency_gateway.idempotency.fingerprint import request_hash
+from idempotency_gateway.idempotency.fingerprint import MAX_NUMBER_LITERAL, request_hash
 
 numbers = st.one_of(
     st.integers(min_value=-(2**130), max_value=2**130),
@@ -83,6 +83,8 @@ def test_fingerprints_are_equal_exactly_when_the_values_are(first: Any, second: 
         (b'{"a": 1, "a": 2}', b'{"a": 2, "a": 1}'),
         (b'"\\ud800"', b'"\\ud801"'),
         (b"true", b"1"),
+        # Over MAX_NUMBER_LITERAL characters a number is compared as bytes: stricter.
+        (b"1" + b"0" * MAX_NUMBER_LITERAL, b"1E" + str(MAX_NUMBER_LITERAL).encode()),
     ],
 )
 def test_values_that_differ_exactly_are_different_requests(body: bytes, other: bytes) -> None:
@@ -95,6 +97,8 @@ def test_values_that_differ_exactly_are_different_requests(body: bytes, other: b
         (b'{"amount": 20, "n": 1}', b'{"n":1.0,"amount":2e1}'),
         (b"[0]", b"[-0.000]"),
         (b"18446744073709551616", b"1.8446744073709551616e19"),
+        (b"[1" + b"0" * 4000 + b"]", b"[1e4000]"),
+        (b"[-25" + b"0" * 100 + b"]", b"[-2.5e101]"),
     ],
 )
 def test_the_same_exact_value_written_differently_is_one_request(body: bytes, same: bytes) -> None:

@@ -165,6 +165,8 @@ def test_different_credentials_give_different_scopes() -> None:
     [
         pytest.param([], id="no-headers"),
         pytest.param([(b"x-api-key", b"secret")], id="unconfigured-credential-header"),
+        pytest.param([(b"authorization", b"")], id="empty-credential"),
+        pytest.param([(b"authorization", b" \t"), (b"authorization", b"")], id="blank-credentials"),
     ],
 )
 def test_no_credential_is_anonymous(headers: Headers) -> None:
@@ -315,10 +317,17 @@ def test_non_json_bodies_are_compared_byte_for_byte(content_type: bytes | None) 
     assert of(b"payload") != of(b"payload\n")
 
 
-def test_query_order_does_not_change_the_hash() -> None:
-    assert fingerprint(query=b"expand=customer&limit=10") == fingerprint(
-        query=b"limit=10&expand=customer"
-    )
+@pytest.mark.parametrize(
+    ("query", "same"),
+    [
+        (b"expand=customer&limit=10", b"limit=10&expand=customer"),
+        (b"a=1&b=2&a=3", b"b=2&a=1&a=3"),
+        (b"q=a+b&x=%41", b"x=A&q=a%20b"),
+        (b"a=1&&b=2&", b"a=1&b=2"),
+    ],
+)
+def test_query_order_of_different_names_does_not_change_the_hash(query: bytes, same: bytes) -> None:
+    assert fingerprint(query=query) == fingerprint(query=same)
 
 
 @pytest.mark.parametrize(
@@ -328,6 +337,10 @@ def test_query_order_does_not_change_the_hash() -> None:
         pytest.param(b"limit=10", b"", id="missing"),
         pytest.param(b"limit=", b"", id="blank-value"),
         pytest.param(b"a=1&b=2", b"a=2&b=1", id="values-swapped"),
+        pytest.param(b"amount=1&amount=1000", b"amount=1000&amount=1", id="repeated-reordered"),
+        pytest.param(b"a=1&b=2&a=3", b"a=3&b=2&a=1", id="repeated-around-another"),
+        pytest.param(b"flag", b"flag=", id="no-value-vs-empty-value"),
+        pytest.param(b"a=%ff", b"a=%fe", id="non-utf8-octets"),
     ],
 )
 def test_query_values_change_the_hash(query: bytes, other_query: bytes) -> None:
@@ -343,10 +356,29 @@ def test_query_values_change_the_hash(query: bytes, other_query: bytes) -> None:
         pytest.param({"content_type": b"application/x-www-form-urlencoded"}, id="content-type"),
         pytest.param({"content_type": None}, id="no-content-type"),
         pytest.param({"body": b""}, id="empty-body"),
+        pytest.param({"headers": [(b"content-encoding", b"gzip")]}, id="content-encoding"),
+        pytest.param({"headers": [(b"content-type", b"text/plain")]}, id="two-content-types"),
+        pytest.param({"body": b'\xef\xbb\xbf{"amount":1250,"currency":"EUR"}'}, id="bom"),
+        pytest.param({"body": '{"amount":1250,"currency":"EUR"}'.encode("utf-16")}, id="utf-16"),
     ],
 )
 def test_request_line_content_type_and_body_change_the_hash(difference: dict[str, object]) -> None:
     assert fingerprint(**difference) != fingerprint()  # type: ignore[arg-type]
+
+
+def test_two_content_types_compare_the_body_as_bytes() -> None:
+    # The upstream may obey the second type: {"a":1} and {"a":1.0} are then two texts.
+    both = [(b"content-type", b"text/plain")]
+    assert fingerprint(body=b'{"a":1}', headers=both) != fingerprint(
+        body=b'{"a":1.0}', headers=both
+    )
+    assert fingerprint(body=b'{"a":1}') == fingerprint(body=b'{"a":1.0}')
+
+
+def test_content_type_and_encoding_lists_never_run_together() -> None:
+    assert fingerprint(
+        content_type=None, headers=[(b"content-type", b"a"), (b"content-type", b"b")]
+    ) != fingerprint(content_type=b"a", headers=[(b"content-encoding", b"b")])
 
 
 def test_configured_extra_headers_change_the_hash() -> None:

@@ -49,6 +49,8 @@ GIVE_UP_DEADLINE = 8.0
         ([b"wait=5;x=y"], 5),
         ([b"WAIT=7"], 7),
         ([b"respond-async", b"wait=2"], 2),
+        pytest.param([b"wait=" + b"9" * 5000], 10**9, id="5000-digits"),
+        pytest.param([b"wait=" + b"0" * 5000 + b"4"], 4, id="5000-leading-zeros"),
         ([b"wait=abc"], None),
         ([b"wait=1.5"], None),
         ([b"wait=-3"], None),

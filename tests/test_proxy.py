@@ -119,6 +119,7 @@ async def test_forwarded_fields_from_an_untrusted_client_are_replaced(
             "X-Forwarded-For": "6.6.6.6",
             "X-Forwarded-Proto": "https",
             "X-Forwarded-Host": "evil.example",
+            "X-Forwarded-Prefix": "/v1/charges",
         },
     )
 
@@ -126,6 +127,7 @@ async def test_forwarded_fields_from_an_untrusted_client_are_replaced(
     assert received.header_values("x-forwarded-for") == ["127.0.0.1"]
     assert received.header_values("x-forwarded-proto") == ["http"]
     assert received.header_values("x-forwarded-host") == [gateway_host]
+    assert received.header_values("x-forwarded-prefix") == []
 
 
 async def test_forwarded_fields_from_a_trusted_proxy_are_extended(
@@ -140,12 +142,14 @@ async def test_forwarded_fields_from_a_trusted_proxy_are_extended(
             "X-Forwarded-For": "203.0.113.9",
             "X-Forwarded-Proto": "https",
             "X-Forwarded-Host": "api.example.com",
+            "X-Forwarded-Prefix": "/payments",
         },
     )
 
     assert received.header_values("x-forwarded-for") == ["203.0.113.9, 127.0.0.1"]
     assert received.header_values("x-forwarded-proto") == ["https"]
     assert received.header_values("x-forwarded-host") == ["api.example.com"]
+    assert received.header_values("x-forwarded-prefix") == ["/payments"]
 
 
 async def test_request_id_is_generated_when_absent_and_echoed(

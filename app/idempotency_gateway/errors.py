@@ -19,6 +19,7 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
     │   ├── KeyReusedWithDifferentRequest 422
     │   ├── RequestHeadTooLarge           431, then the connection closes
     │   └── TunnelRefused                 400, CONNECT (authority-form): the gateway is no tunnel
+    ├── UnexpectedError                 a bug in the gateway (500), never a plain-text page
     ├── TooManyConnections              the worker's connection cap is reached (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     ├── AdminError                      the admin API refuses (its own statuses)
@@ -144,6 +145,14 @@ class KeyReusedWithDifferentRequest(RequestRejected):
     status = 422
     slug = "idempotency-key-reused"
     title = "Idempotency-Key reused with a different request"
+
+
+class UnexpectedError(GatewayError):
+    """What the client gets when the gateway itself fails: a problem like any other."""
+
+    status = 500
+    slug = "internal-error"
+    title = "Internal gateway error"
 
 
 class TooManyConnections(GatewayError):

@@ -19,6 +19,18 @@ from idempotency_gateway.target import canonical_prefix, remember, target_or_ref
 T = TypeVar("T")
 
 
+def path_without_parameters(path: str) -> str:
+    """The path as servlet containers (Tomcat, Jetty, Spring) resolve it: every segment's
+    ``;parameters`` dropped, so ``/v1/charges;x=1`` and ``/v1;x/charges`` reach the upstream's
+    ``/v1/charges`` handler. Routes match on this form, or such a path would pass a route's
+    idempotency policy by. A segment left empty merges away, as ``//`` does."""
+    if ";" not in path:
+        return path
+    segments = [segment.split(";", 1)[0] for segment in path.split("/")]
+    kept = [segment for segment in segments[1:-1] if segment]
+    return "/".join(["", *kept, segments[-1]])
+
+
 class PrefixRouter(Generic[T]):
     def __init__(self, entries: Iterable[tuple[str, T]]) -> None:
         # Longest first, so the first hit is the most specific route. Prefixes are compared in
@@ -30,6 +42,7 @@ class PrefixRouter(Generic[T]):
         )
 
     def match(self, path: str) -> T | None:
+        path = path_without_parameters(path)
         for prefix, value in self._entries:
             if not prefix or path == prefix or path.startswith(prefix + "/"):
                 return value

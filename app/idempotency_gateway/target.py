@@ -19,7 +19,7 @@ import string
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from idempotency_gateway.asgi import Scope, Send
+from idempotency_gateway.asgi import Headers, Scope, Send
 from idempotency_gateway.config import RouteConfig
 from idempotency_gateway.errors import InvalidRequestTarget
 from idempotency_gateway.problems import send_problem
@@ -36,6 +36,19 @@ _PERCENT_ENCODED = re.compile(rb"%([0-9A-Fa-f]{2})")
 # cannot hold it).
 _REFUSED_OCTETS = {0x2F: "%2F (an encoded slash)", 0x5C: "%5C (an encoded backslash)", 0x00: "%00"}
 _DOT_SEGMENTS = (b".", b"..")
+# Fields that frameworks behind a proxy obey as the request's real target (IIS, Symfony,
+# Zend) or method (Express, Rails, Laravel, Spring, ASP.NET). The gateway would route, protect
+# and fingerprint one request while the upstream executed another: an unkeyed GET naming POST
+# in X-HTTP-Method-Override would run a POST unprotected, and be retried as a safe GET.
+_TARGET_OVERRIDES = frozenset(
+    {
+        b"x-original-url",
+        b"x-rewrite-url",
+        b"x-http-method-override",
+        b"x-http-method",
+        b"x-method-override",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +116,15 @@ def canonical_prefix(prefix: str) -> str:
     return canonical_path(encoded).decode("ascii").rstrip("/")
 
 
+def _refuse_overrides(headers: Headers) -> None:
+    for name, _ in headers:
+        if name in _TARGET_OVERRIDES:  # ASGI field names are lower-case
+            raise InvalidRequestTarget(
+                f"{name.decode('latin-1')} would make the upstream execute another target or "
+                "method than the one the gateway routes and protects; send the real one"
+            )
+
+
 def _canonical_target(scope: Scope) -> RequestTarget:
     raw: bytes | None = scope.get("raw_path")
     if raw is None:
@@ -111,6 +133,7 @@ def _canonical_target(scope: Scope) -> RequestTarget:
     else:
         # The ASGI raw path is the target as received; a query some servers leave on it.
         raw = raw.split(b"?", 1)[0]
+    _refuse_overrides(scope["headers"])
     path = canonical_path(raw)
     # Every layer below, and a library user's own app, sees the canonical path too.
     scope["raw_path"] = path

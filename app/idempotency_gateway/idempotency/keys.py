@@ -83,7 +83,9 @@ def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: byte
     digest = hmac.new(secret, digestmod=hashlib.sha256)
     present = False
     for name in scope_headers:
-        values = header_values(headers, name)
+        # An empty field is no credential: counted as one, it would be a scope shared by
+        # everyone who sends it, past an ``anonymous: refuse`` route.
+        values = [value for value in header_values(headers, name) if value.strip(b" \t")]
         for value in values:
             present = True
             digest.update(name + b"\x00" + len(value).to_bytes(4, "big") + value)

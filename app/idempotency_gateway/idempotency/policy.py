@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from idempotency_gateway.config import IdempotencyConfig, KeyPolicy, RouteConfig
-from idempotency_gateway.routing import PrefixRouter
+from idempotency_gateway.routing import PrefixRouter, path_without_parameters
 from idempotency_gateway.target import RequestTarget
 
 
@@ -25,8 +25,10 @@ class RoutePolicy:
 
     def operation(self, method: str, target: RequestTarget) -> str:
         # The canonical path is ASCII (other octets stay percent-encoded): two different
-        # paths never become one operation.
-        return self.config.operation or f"{method} {target.path_text}"
+        # paths never become one operation. Without its ";parameters", as routes match it:
+        # a retry whose ";jsessionid=" changed names the resource a servlet upstream already
+        # ran, so it is the same record and a 422 (the fingerprint keeps the parameters).
+        return self.config.operation or f"{method} {path_without_parameters(target.path_text)}"
 
 
 class RoutePolicies:

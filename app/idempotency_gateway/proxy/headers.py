@@ -31,6 +31,7 @@ _GATEWAY_WRITTEN = frozenset(
         b"x-forwarded-for",
         b"x-forwarded-proto",
         b"x-forwarded-host",
+        b"x-forwarded-prefix",
         b"x-request-timeout",
         b"x-request-id",
         FENCING_TOKEN_HEADER,
@@ -125,6 +126,10 @@ def upstream_request_headers(
     )
     if host is not None:
         forwarded.append((b"x-forwarded-host", host))
+    # Spring and ASP.NET prepend it to the request path: only a trusted proxy may say it.
+    prefix = first_header(incoming, b"x-forwarded-prefix") if trusted else None
+    if prefix is not None:
+        forwarded.append((b"x-forwarded-prefix", prefix))
     forwarded.append((b"x-request-timeout", f"{timeout_seconds:.3f}".encode()))
     return [(name.decode("latin-1"), _header_text(value)) for name, value in forwarded]
 

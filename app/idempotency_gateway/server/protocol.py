@@ -34,6 +34,7 @@ from idempotency_gateway.errors import (
     TunnelRefused,
 )
 from idempotency_gateway.server.http10 import close_delimited
+from idempotency_gateway.server.message import check_request_head
 from idempotency_gateway.server.raw import closing_problem, head_without_upgrade
 
 # Per field: the ": " between name and value and the CRLF that ends the line.
@@ -139,6 +140,7 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_deadline()
+        check_request_head(self.parser.get_http_version(), self.headers)
         if self.parser.should_upgrade() and self.parser.get_method() == b"CONNECT":
             raise TunnelRefused("the gateway forwards requests; it does not open tunnels")
         self._raw_head_bytes = None

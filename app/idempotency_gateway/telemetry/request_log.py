@@ -4,8 +4,8 @@
 (echoed on the response and set as the log context's request id), puts a ``RequestLog`` into
 the ASGI scope, the layers below fill in what they learn (route, upstream, idempotency
 outcome, attempts, scope hash), and when the response ends it writes the log line and the
-request metrics. Never a credential, a key or a body: the scope is its hash, the path is
-logged but never a metric label.
+request metrics; a failure no layer expected becomes a 500 problem here. Never a credential,
+a key or a body: the scope is its hash, the path is logged but never a metric label.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from idempotency_gateway.asgi import ASGIApp, Message, Receive, Scope, Send
+from idempotency_gateway.errors import UnexpectedError
+from idempotency_gateway.problems import send_problem
 from idempotency_gateway.request_id import REQUEST_ID_HEADER, ensure_request_id
 from idempotency_gateway.telemetry.logs import current_request_id
 from idempotency_gateway.telemetry.metrics import REQUEST_DURATION, REQUESTS, Children
 
 log = logging.getLogger("idempotency_gateway.access")
+_log = logging.getLogger(__name__)
 
 STATE_KEY = "request_log"
 
@@ -101,6 +104,14 @@ class AccessLogMiddleware:
 
         try:
             await self.app(scope, receive, send_noting_status)
+        except Exception:
+            if entry.status is not None:
+                raise  # a head went out: nothing can replace it, the answer is cut short
+            # Outermost layer: a failure no layer expected becomes a problem like any other,
+            # never the server's plain-text page.
+            _log.exception("unexpected error while handling a request")
+            error = UnexpectedError("the gateway failed unexpectedly; the failure is logged")
+            await send_problem(send_noting_status, error, request_id=entry.request_id)
         finally:
             elapsed = time.perf_counter() - started
             entry.duration_ms = round(elapsed * 1000, 3)
