@@ -40,9 +40,7 @@ _DOT_SEGMENTS = (b".", b"..")
 # A path that is already canonical: non-empty segments of pchar without "%", none of them a
 # dot segment (with or without ";" parameters), an optional trailing slash. Most requests
 # arrive like this; they skip the segment-by-segment rewrite, which would return them as is.
-_ALREADY_CANONICAL = re.compile(
-    rb"/|(?:/(?!\.\.?(?:[/;]|$))[A-Za-z0-9\-._~!$&'()*+,;=:@]+)+/?"
-)
+_ALREADY_CANONICAL = re.compile(rb"/|(?:/(?!\.\.?(?:[/;]|$))[A-Za-z0-9\-._~!$&'()*+,;=:@]+)+/?")
 
 
 @dataclass(frozen=True, slots=True)
