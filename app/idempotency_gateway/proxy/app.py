@@ -180,6 +180,10 @@ class ProxyApp:
                 ),
             }
         )
-        async for chunk in response.chunks():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        last = False
+        async for chunk, last in response.chunks():
+            # The last chunk ends the answer itself: no empty message after it to pass
+            # through every layer.
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+        if not last:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
