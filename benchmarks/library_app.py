@@ -46,7 +46,13 @@ def create_api(mode: str) -> FastAPI:
 
         store = RecordStore.from_url(os.environ["BENCH_DATABASE_URL"], StoreConfig())
         closers.append(store.close)
-        api.add_middleware(IdempotencyMiddleware, store=store, policy=IdempotencyConfig())
+        api.add_middleware(
+            IdempotencyMiddleware,
+            store=store,
+            policy=IdempotencyConfig(),
+            # Any fixed secret: the benchmark measures the HMAC, not the secret's handling.
+            scope_secret="benchmark-scope-secret",
+        )
     elif mode in ("header-memory", "header-redis"):
         from idempotency_header_middleware import IdempotencyHeaderMiddleware
         from idempotency_header_middleware.backends import MemoryBackend, RedisBackend

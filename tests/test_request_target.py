@@ -33,7 +33,7 @@ from idempotency_gateway.errors import InvalidRequestTarget
 from idempotency_gateway.idempotency import IdempotencyMiddleware
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.routing import PrefixRouter
-from idempotency_gateway.target import canonical_path
+from idempotency_gateway.target import canonical_path, rewritten_path
 from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_config
 from tests.support.background import InBackgroundThread
 from tests.support.charges import CHARGE_BODY, CHARGES
@@ -111,6 +111,27 @@ def test_paths_are_normalized_per_rfc_3986(raw: bytes, canonical: bytes) -> None
 def test_ambiguous_or_non_origin_form_targets_are_refused(raw: bytes) -> None:
     with pytest.raises(InvalidRequestTarget):
         canonical_path(raw)
+
+
+_PATH_PIECES = st.sampled_from(
+    [b"/", b"//", b".", b"..", b";", b"..;", b"%2e", b"%41", b"%2f", b"a", b"v1", b"~", b"@", b" "]
+)
+
+
+@given(st.lists(_PATH_PIECES, max_size=8).map(b"".join))
+@example(b"/..;x/a")
+@example(b"/a/.;")
+@example(b"/a/")
+def test_the_shortcut_for_canonical_paths_agrees_with_the_full_rewrite(raw: bytes) -> None:
+    """Paths already canonical skip the rewrite: for every input both give the same answer,
+    the same path or the same refusal."""
+    try:
+        expected = rewritten_path(raw)
+    except InvalidRequestTarget:
+        with pytest.raises(InvalidRequestTarget):
+            canonical_path(raw)
+        return
+    assert canonical_path(raw) == expected
 
 
 # ------------------------------------------------------------------- the live gateway

@@ -76,22 +76,42 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
+async def _cancel_at_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    try:
+        await _until_disconnect(receive)
+    finally:
+        watcher = asyncio.current_task()
+        # Cancelled itself: the work ended first. Anything else ends the work.
+        if watcher is None or not watcher.cancelling():
+            task.cancel()
+
+
 async def cancel_on_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
     """``work``'s result, or ``ClientDisconnected`` once the client went away first.
 
     Nobody is left to read the answer, so the work is cancelled (as Envoy resets the upstream
     stream). Call it only after the body was read; a ``replay_receive`` never disconnects,
     so a keyed execution is never cut short this way.
+
+    The work runs in the calling task and one watcher task cancels it at a disconnect, the
+    way ``asyncio.timeout`` cancels at its deadline: a second task for the work and an
+    ``asyncio.wait`` on both would cost more than the proxying they guard.
     """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    task = asyncio.current_task()
+    assert task is not None, "cancel_on_disconnect runs inside a task"
+    watcher = asyncio.ensure_future(_cancel_at_disconnect(receive, task))
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled() and task.uncancel() == 0:
+            # The watcher's cancellation, and nobody else's pending: the client is gone.
+            raise ClientDisconnected from None
+        raise
     finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected
-    return task.result()
+        if not watcher.done():
+            watcher.cancel()
+    if watcher.done() and not watcher.cancelled():
+        # The work absorbed the watcher's cancellation and finished: withdraw the request,
+        # so a later ``asyncio.timeout`` in this task still tells its own expiry apart.
+        task.uncancel()
+    return result

@@ -8,13 +8,12 @@ target, matches it, and stores both in the scope for the idempotency layer and t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 from idempotency_gateway.asgi import ASGIApp, Receive, Scope, Send
 from idempotency_gateway.config import RouteConfig
-from idempotency_gateway.target import canonical_prefix, remember, target_or_refuse
+from idempotency_gateway.target import canonical_prefix, target_or_refuse
 
 T = TypeVar("T")
 
@@ -35,16 +34,20 @@ class PrefixRouter(Generic[T]):
     def __init__(self, entries: Iterable[tuple[str, T]]) -> None:
         # Longest first, so the first hit is the most specific route. Prefixes are compared in
         # the canonical form the request paths arrive in.
+        # Each prefix is kept with its "/"-terminated form, built once rather than per request.
         self._entries = sorted(
-            ((canonical_prefix(prefix), value) for prefix, value in entries),
+            (
+                (prefix, prefix + "/", value)
+                for prefix, value in ((canonical_prefix(p), v) for p, v in entries)
+            ),
             key=lambda entry: len(entry[0]),
             reverse=True,
         )
 
     def match(self, path: str) -> T | None:
         path = path_without_parameters(path)
-        for prefix, value in self._entries:
-            if not prefix or path == prefix or path.startswith(prefix + "/"):
+        for prefix, directory, value in self._entries:
+            if not prefix or path == prefix or path.startswith(directory):
                 return value
         return None
 
@@ -58,8 +61,6 @@ class RouteRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        target = await target_or_refuse(scope, send)
-        if target is None:
+        if await target_or_refuse(scope, send, self.router.match) is None:
             return
-        remember(scope, dataclasses.replace(target, route=self.router.match(target.path_text)))
         await self.app(scope, receive, send)

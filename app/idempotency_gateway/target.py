@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
@@ -50,6 +51,11 @@ _TARGET_OVERRIDES = frozenset(
     }
 )
 
+# A path that is already canonical: non-empty segments of pchar without "%", none of them a
+# dot segment (with or without ";" parameters), an optional trailing slash. Most requests
+# arrive like this; they skip the segment-by-segment rewrite, which would return them as is.
+_ALREADY_CANONICAL = re.compile(rb"/|(?:/(?!\.\.?(?:[/;]|$))[A-Za-z0-9\-._~!$&'()*+,;=:@]+)+/?")
+
 
 @dataclass(frozen=True, slots=True)
 class RequestTarget:
@@ -63,6 +69,10 @@ class RequestTarget:
     @property
     def path_text(self) -> str:
         return self.path.decode("ascii")
+
+
+RouteFinder = Callable[[str], RouteConfig | None]
+"""The route for a canonical path, ``None`` when nothing matches."""
 
 
 def _normalized_octet(match: re.Match[bytes]) -> bytes:
@@ -92,6 +102,13 @@ def _normalized_segment(segment: bytes) -> bytes:
 
 def canonical_path(raw: bytes) -> bytes:
     """The canonical form of an origin-form path, or ``InvalidRequestTarget``."""
+    if _ALREADY_CANONICAL.fullmatch(raw) is not None:
+        return raw
+    return rewritten_path(raw)
+
+
+def rewritten_path(raw: bytes) -> bytes:
+    """``canonical_path`` segment by segment, without the shortcut for canonical input."""
     if not raw.startswith(b"/"):
         raise InvalidRequestTarget(
             "only a path starting with / is accepted as the request target "
@@ -125,7 +142,7 @@ def _refuse_overrides(headers: Headers) -> None:
             )
 
 
-def _canonical_target(scope: Scope) -> RequestTarget:
+def _canonical_target(scope: Scope, route_for: RouteFinder | None) -> RequestTarget:
     raw: bytes | None = scope.get("raw_path")
     if raw is None:
         # A server that gives no raw path: its decoded path, encoded back as UTF-8.
@@ -137,29 +154,30 @@ def _canonical_target(scope: Scope) -> RequestTarget:
     path = canonical_path(raw)
     # Every layer below, and a library user's own app, sees the canonical path too.
     scope["raw_path"] = path
-    scope["path"] = unquote(path.decode("ascii"))
-    return RequestTarget(path, scope.get("query_string", b""))
+    text = path.decode("ascii")
+    scope["path"] = unquote(text)
+    route = route_for(text) if route_for is not None else None
+    return RequestTarget(path, scope.get("query_string", b""), route)
 
 
-def target_of(scope: Scope) -> RequestTarget:
+def target_of(scope: Scope, route_for: RouteFinder | None = None) -> RequestTarget:
     """The request's canonical target: the one the outermost layer stored, or computed now
-    (``IdempotencyMiddleware`` in a user's app has no gateway layer around it)."""
+    (``IdempotencyMiddleware`` in a user's app has no gateway layer around it). ``route_for``
+    matches the route of a target computed now, so it is built once, with its route."""
     state = scope.setdefault("state", {})
     target = state.get(STATE_KEY)
     if not isinstance(target, RequestTarget):
-        target = state[STATE_KEY] = _canonical_target(scope)
+        target = state[STATE_KEY] = _canonical_target(scope, route_for)
     return target
 
 
-async def target_or_refuse(scope: Scope, send: Send) -> RequestTarget | None:
+async def target_or_refuse(
+    scope: Scope, send: Send, route_for: RouteFinder | None = None
+) -> RequestTarget | None:
     """The canonical target, or ``None`` once the client got its 400 problem: refused before
     anything reads the body, touches the store or opens a connection."""
     try:
-        return target_of(scope)
+        return target_of(scope, route_for)
     except InvalidRequestTarget as error:
         await send_problem(send, error, request_id=request_id_of(scope))
         return None
-
-
-def remember(scope: Scope, target: RequestTarget) -> None:
-    scope.setdefault("state", {})[STATE_KEY] = target

@@ -67,6 +67,7 @@ class ProxyApp:
     def __init__(self, config: GatewayConfig, upstreams: Mapping[str, ResilientUpstream]) -> None:
         self.config = config
         self.upstreams = upstreams
+        self.key_header = config.idempotency_header.lower().encode("ascii")
         # Parsed once: a request never gets to take part in parsing where it goes.
         self.bases = {
             name: URL(upstream.client.config.base_url) for name, upstream in upstreams.items()
@@ -123,7 +124,7 @@ class ProxyApp:
                 url=url,
                 headers=upstream_request_headers(
                     scope,
-                    key_header=self.config.idempotency_header.lower().encode("ascii"),
+                    key_header=self.key_header,
                     trusted_proxies=self.config.trusted_proxies,
                     timeout_seconds=head_within,
                 ),
@@ -179,6 +180,10 @@ class ProxyApp:
                 ),
             }
         )
-        async for chunk in response.chunks():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        last = False
+        async for chunk, last in response.chunks():
+            # The last chunk ends the answer itself: no empty message after it to pass
+            # through every layer.
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+        if not last:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -66,11 +66,14 @@ class UpstreamResponse:
     def release(self) -> None:
         self._response.release()
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives; a broken stream raises an ``UpstreamError``."""
+    async def chunks(self) -> AsyncIterator[tuple[bytes, bool]]:
+        """The body as it arrives, each chunk with whether it is the last (the whole body
+        was received and nothing is left to read); a broken stream raises an
+        ``UpstreamError``."""
+        content = self._response.content
         try:
-            async for chunk in self._response.content.iter_chunked(_CHUNK):
-                yield chunk
+            async for chunk in content.iter_chunked(_CHUNK):
+                yield chunk, content.is_eof()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise translate_error(exc, self._upstream) from exc
 

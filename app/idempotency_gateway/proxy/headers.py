@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from ipaddress import IPv4Network, IPv6Network, ip_address
 
-from idempotency_gateway.asgi import Headers, Scope, first_header, header_values
+from idempotency_gateway.asgi import Headers, Scope
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, execution_of
 from idempotency_gateway.request_id import REQUEST_ID_HEADER
 
@@ -41,30 +42,14 @@ _GATEWAY_WRITTEN = frozenset(
 TrustedProxies = tuple[IPv4Network | IPv6Network, ...]
 
 
-def _connection_named(headers: Headers) -> set[bytes]:
+def _connection_tokens(value: bytes) -> set[bytes]:
     """Fields the sender marked as hop-by-hop by naming them in ``Connection``."""
-    named: set[bytes] = set()
-    for name, value in headers:
-        if name == b"connection":
-            named.update(token.strip().lower() for token in value.split(b","))
-    return named
-
-
-def end_to_end(headers: Headers) -> Headers:
-    named = _connection_named(headers)
-    dropped = HOP_BY_HOP | named if named else HOP_BY_HOP
-    return [(name, value) for name, value in headers if name.lower() not in dropped]
+    return {token.strip().lower() for token in value.split(b",")}
 
 
 def _via_value(existing: bytes | None, http_version: str) -> bytes:
     via = http_version.encode() + b" " + VIA_PSEUDONYM
     return via if existing is None else existing + b", " + via
-
-
-def _with_via(headers: Headers, http_version: str) -> Headers:
-    existing = first_header(headers, b"via")
-    kept = [(name, value) for name, value in headers if name != b"via"]
-    return [*kept, (b"via", _via_value(existing, http_version))]
 
 
 def _is_trusted(client_host: str | None, trusted: TrustedProxies) -> bool:
@@ -77,18 +62,11 @@ def _is_trusted(client_host: str | None, trusted: TrustedProxies) -> bool:
     return any(address in network for network in trusted)
 
 
-def _gateway_fields(scope: Scope, key_header: bytes) -> Headers:
-    """The idempotency key of record, its fencing token and the request id: what the upstream
-    dedupes and correlates on, so no ``Connection`` option of the client's may remove them."""
-    incoming: Headers = scope["headers"]
-    fields = [(key_header, value) for value in header_values(incoming, key_header)]
-    execution = execution_of(scope)
-    if execution is not None:
-        fields.append((FENCING_TOKEN_HEADER, str(execution.fencing_token).encode()))
-    request_id = first_header(incoming, REQUEST_ID_HEADER)
-    if request_id is not None:
-        fields.append((REQUEST_ID_HEADER, request_id))
-    return fields
+@functools.lru_cache(maxsize=8)
+def _not_copied(key_header: bytes) -> frozenset[bytes]:
+    """Request fields the client's copy of is never forwarded as is: hop-by-hop ones and
+    the gateway's own, the key included (built once per key field name, not per request)."""
+    return HOP_BY_HOP | _GATEWAY_WRITTEN | {key_header}
 
 
 def upstream_request_headers(
@@ -98,36 +76,55 @@ def upstream_request_headers(
     fencing token, request id, ``Via``, ``X-Forwarded-*``, the budget).
 
     ``key_header`` is the lower-case name of the idempotency key field. Hop-by-hop removal
-    applies to the client's fields only, before the gateway adds its own."""
-    incoming: Headers = scope["headers"]
+    applies to the client's fields only, before the gateway adds its own. One pass over the
+    client's fields finds both what is forwarded and what the gateway's fields are built from.
+    """
+    not_copied = _not_copied(key_header)
+    forwarded: list[tuple[bytes, bytes]] = []
+    keys: Headers = []
+    # The first value of each field the gateway's own fields are built from.
+    firsts: dict[bytes, bytes] = {}
+    named: set[bytes] = set()
+    for name, value in scope["headers"]:
+        if name.lower() not in not_copied:
+            forwarded.append((name, value))
+            continue
+        if name == key_header:
+            # The key of record, and the fields below: no Connection option may remove them.
+            keys.append((key_header, value))
+        elif name == b"connection":
+            named |= _connection_tokens(value)
+        firsts.setdefault(name, value)
+    if named:
+        forwarded = [(name, value) for name, value in forwarded if name.lower() not in named]
+    forwarded.extend(keys)
+    execution = execution_of(scope)
+    if execution is not None:
+        forwarded.append((FENCING_TOKEN_HEADER, str(execution.fencing_token).encode()))
+    request_id = firsts.get(REQUEST_ID_HEADER)
+    if request_id is not None:
+        forwarded.append((REQUEST_ID_HEADER, request_id))
+    http_version = scope.get("http_version", "1.1")
+    forwarded.append((b"via", _via_value(firsts.get(b"via"), http_version)))
+
     client = scope.get("client")
     client_host = client[0] if client else None
-    trusted = _is_trusted(client_host, trusted_proxies)
-    gateway_written = _GATEWAY_WRITTEN | {key_header}
-    forwarded = [
-        (name, value) for name, value in end_to_end(incoming) if name not in gateway_written
-    ]
-    forwarded.extend(_gateway_fields(scope, key_header))
-    http_version = scope.get("http_version", "1.1")
-    forwarded.append((b"via", _via_value(first_header(incoming, b"via"), http_version)))
-
     # Incoming X-Forwarded-* are believed only from proxies we were told to trust: anyone
     # else could claim any address.
-    prior_for = first_header(incoming, b"x-forwarded-for") if trusted else None
+    trusted = _is_trusted(client_host, trusted_proxies)
+    prior_for = firsts.get(b"x-forwarded-for") if trusted else None
     if client_host is not None:
         chain = (
             client_host.encode() if prior_for is None else prior_for + b", " + client_host.encode()
         )
         forwarded.append((b"x-forwarded-for", chain))
-    proto = first_header(incoming, b"x-forwarded-proto") if trusted else None
+    proto = firsts.get(b"x-forwarded-proto") if trusted else None
     forwarded.append((b"x-forwarded-proto", proto or scope.get("scheme", "http").encode()))
-    host = (first_header(incoming, b"x-forwarded-host") if trusted else None) or first_header(
-        incoming, b"host"
-    )
+    host = (firsts.get(b"x-forwarded-host") if trusted else None) or firsts.get(b"host")
     if host is not None:
         forwarded.append((b"x-forwarded-host", host))
     # Spring and ASP.NET prepend it to the request path: only a trusted proxy may say it.
-    prefix = first_header(incoming, b"x-forwarded-prefix") if trusted else None
+    prefix = firsts.get(b"x-forwarded-prefix") if trusted else None
     if prefix is not None:
         forwarded.append((b"x-forwarded-prefix", prefix))
     forwarded.append((b"x-request-timeout", f"{timeout_seconds:.3f}".encode()))
@@ -143,15 +140,28 @@ def _header_text(value: bytes) -> str:
         return value.decode("latin-1")
 
 
-# The gateway's server writes its own Date; two Date fields would confuse caches.
-_SERVER_WRITTEN = frozenset({b"date"})
+# The gateway's server writes its own Date (two Date fields would confuse caches), and its
+# own Via, which carries the upstream's on.
+_NOT_RELAYED = HOP_BY_HOP | {b"date", b"via"}
 
 
 def client_response_headers(raw: Headers, http_version: str) -> Headers:
-    """The upstream's answer as the client gets it: end-to-end fields plus ``Via``."""
-    kept = [
-        (name.lower(), value)
-        for name, value in end_to_end(raw)
-        if name.lower() not in _SERVER_WRITTEN
-    ]
-    return _with_via(kept, http_version)
+    """The upstream's answer as the client gets it: end-to-end fields plus ``Via``, in one
+    pass over the upstream's fields."""
+    kept: Headers = []
+    via: bytes | None = None
+    named: set[bytes] = set()
+    for name, value in raw:
+        name = name.lower()
+        if name not in _NOT_RELAYED:
+            kept.append((name, value))
+        elif name == b"connection":
+            named |= _connection_tokens(value)
+        elif name == b"via" and via is None:
+            via = value
+    if named:
+        kept = [(name, value) for name, value in kept if name not in named]
+        if b"via" in named:
+            via = None
+    kept.append((b"via", _via_value(via, http_version)))
+    return kept

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 from typing import Any
 
 import httptools
@@ -39,6 +40,12 @@ from idempotency_gateway.server.raw import closing_problem, head_without_upgrade
 
 # Per field: the ": " between name and value and the CRLF that ends the line.
 _FIELD_OVERHEAD = 4
+
+
+class _Pending(enum.Enum):
+    NOTHING = enum.auto()
+    HEAD = enum.auto()
+    BODY = enum.auto()
 
 
 class EdgeServerConfig(uvicorn.Config):
@@ -72,6 +79,8 @@ class EdgeProtocol(HttpToolsProtocol):
         # unknown: that chunk's head bytes are counted from the callbacks instead.
         self._message_ended_in_chunk = False
         self._upgrade_offered = False
+        # The part of a request that began in a parsed chunk and is still to come.
+        self._pending = _Pending.NOTHING
         # After an answer of the server's own nothing more is read from the connection.
         self._done_reading = False
 
@@ -114,6 +123,8 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         if self._raw_head_bytes is not None and self._raw_head_bytes > self.limits.max_request_head:
             self._refuse(self._head_too_large())
+            return
+        self._start_pending_deadline()
 
     # ------------------------------------------------------------ parser callbacks
 
@@ -122,8 +133,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._field_bytes = 0
         self._field_count = 0
         self._raw_head_bytes = 0 if self._message_ended_in_chunk else self._chunk_size
-        if self._deadline is None:
-            self._start_deadline(self.limits.request_head_timeout, self._head_timed_out)
+        self._pending = _Pending.HEAD
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -139,6 +149,7 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._pending = _Pending.NOTHING
         self._cancel_deadline()
         check_request_head(self.parser.get_http_version(), self.headers)
         if self.parser.should_upgrade() and self.parser.get_method() == b"CONNECT":
@@ -150,12 +161,13 @@ class EdgeProtocol(HttpToolsProtocol):
             self._upgrade_offered = True
             return
         super().on_headers_complete()
-        self._start_deadline(self.limits.request_body_timeout, self._body_timed_out)
+        self._pending = _Pending.BODY
 
     def on_message_complete(self) -> None:
         self._message_ended_in_chunk = True
         if self._upgrade_offered:
             return
+        self._pending = _Pending.NOTHING
         self._cancel_deadline()
         super().on_message_complete()
 
@@ -186,6 +198,16 @@ class EdgeProtocol(HttpToolsProtocol):
         self.parser = httptools.HttpRequestParser(self)
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.data_received(head + rest)
+
+    def _start_pending_deadline(self) -> None:
+        """Start the deadline of the part still to come once a chunk is parsed: a head or a
+        body that arrives whole in one chunk (most do) then costs no timer at all."""
+        if self._deadline is not None or self._done_reading:
+            return
+        if self._pending is _Pending.HEAD:
+            self._start_deadline(self.limits.request_head_timeout, self._head_timed_out)
+        elif self._pending is _Pending.BODY:
+            self._start_deadline(self.limits.request_body_timeout, self._body_timed_out)
 
     def _start_deadline(self, seconds: float, on_expiry: Any) -> None:
         self._cancel_deadline()
