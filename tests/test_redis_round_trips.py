@@ -84,14 +84,18 @@ def fresh_key(unique: Callable[[str], str]) -> RecordKey:
     return RecordKey("scope-round-trips", "POST /v1/charges", unique("round-trip"))
 
 
-async def test_a_replay_is_one_get_and_a_new_key_two_round_trips(
-    node: RedisNode, fresh_key: RecordKey, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache = RedisCache(
+def cache_on(node: RedisNode) -> RedisCache:
+    return RedisCache(
         connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
         timeout=2.0,
         max_entry_bytes=4096,
     )
+
+
+async def test_a_replay_is_one_get_and_a_new_key_two_round_trips(
+    node: RedisNode, fresh_key: RecordKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = cache_on(node)
     try:
         assert await cache.ping()  # the connection is open before counting starts
         counter = WriteCounter(monkeypatch)
@@ -190,11 +194,7 @@ async def test_a_client_library_failure_of_any_kind_degrades_and_never_reaches_t
 ) -> None:
     # What redis-py's cluster client raised in a fault run when a node's connection was
     # dropped by a concurrent reconnect: not a RedisError, and it cut a client's answer short.
-    cache = RedisCache(
-        connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
-        timeout=2.0,
-        max_entry_bytes=4096,
-    )
+    cache = cache_on(node)
     wakeups = RedisWakeups(
         subscriber=connect_redis(node.url, timeout=None, connect_timeout=2.0),
         publisher=connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
