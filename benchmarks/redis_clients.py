@@ -33,11 +33,9 @@ CHANNEL = "idgw:bench:w"
 Operation = Callable[[int], Awaitable[None]]
 
 
-async def redis_py(url: str, stack: AsyncExitStack) -> dict[str, Operation]:
-    from redis.asyncio import Redis
-
-    client = Redis.from_url(url)
-    stack.push_async_callback(client.aclose)
+async def _command_operations(client: Any, new_key_pipelined: Operation) -> dict[str, Operation]:
+    """The operations of a client with redis-py's command methods (redis-py, coredis): the
+    same calls for both, only their pipelines differ."""
 
     async def replay(i: int) -> None:
         await client.get("idgw:bench:hit")
@@ -47,6 +45,20 @@ async def redis_py(url: str, stack: AsyncExitStack) -> dict[str, Operation]:
         await client.set(f"idgw:bench:k{i}", VALUE, px=TTL_MS)
         await client.publish(CHANNEL, b"1")
 
+    await client.set("idgw:bench:hit", VALUE)
+    return {
+        "replay (GET hit)": replay,
+        "new key: GET, SET, PUBLISH (3 round trips)": new_key_three_calls,
+        "new key: GET, pipeline SET+PUBLISH (2 round trips)": new_key_pipelined,
+    }
+
+
+async def redis_py(url: str, stack: AsyncExitStack) -> dict[str, Operation]:
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(url)
+    stack.push_async_callback(client.aclose)
+
     async def new_key_pipelined(i: int) -> None:
         await client.get(f"idgw:bench:k{i}")
         async with client.pipeline(transaction=False) as pipe:
@@ -54,12 +66,7 @@ async def redis_py(url: str, stack: AsyncExitStack) -> dict[str, Operation]:
             pipe.publish(CHANNEL, b"1")
             await pipe.execute()
 
-    await client.set("idgw:bench:hit", VALUE)
-    return {
-        "replay (GET hit)": replay,
-        "new key: GET, SET, PUBLISH (3 round trips)": new_key_three_calls,
-        "new key: GET, pipeline SET+PUBLISH (2 round trips)": new_key_pipelined,
-    }
+    return await _command_operations(client, new_key_pipelined)
 
 
 async def redis_py_connection(url: str, stack: AsyncExitStack) -> dict[str, Operation]:
@@ -104,26 +111,13 @@ async def coredis_client(url: str, stack: AsyncExitStack) -> dict[str, Operation
     # coredis 6 runs its pool in a task group that only an entered client has.
     await stack.enter_async_context(client)
 
-    async def replay(i: int) -> None:
-        await client.get("idgw:bench:hit")
-
-    async def new_key_three_calls(i: int) -> None:
-        await client.get(f"idgw:bench:k{i}")
-        await client.set(f"idgw:bench:k{i}", VALUE, px=TTL_MS)
-        await client.publish(CHANNEL, b"1")
-
     async def new_key_pipelined(i: int) -> None:
         await client.get(f"idgw:bench:k{i}")
         async with client.pipeline(transaction=False) as pipe:
             pipe.set(f"idgw:bench:k{i}", VALUE, px=TTL_MS)
             pipe.publish(CHANNEL, b"1")
 
-    await client.set("idgw:bench:hit", VALUE)
-    return {
-        "replay (GET hit)": replay,
-        "new key: GET, SET, PUBLISH (3 round trips)": new_key_three_calls,
-        "new key: GET, pipeline SET+PUBLISH (2 round trips)": new_key_pipelined,
-    }
+    return await _command_operations(client, new_key_pipelined)
 
 
 async def glide_client(url: str, stack: AsyncExitStack) -> dict[str, Operation]:
