@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from idempotency_gateway.errors import RequestBodyTooLarge
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -50,12 +52,9 @@ class ClientDisconnected(Exception):
 
 async def read_body(receive: Receive, headers: Headers, *, limit: int) -> bytes:
     """The whole request body, refusing more than ``limit`` bytes before reading them all."""
-    from idempotency_gateway.errors import RequestBodyTooLarge
-
-    too_large = RequestBodyTooLarge(f"the request body is larger than {limit} bytes")
     declared = first_header(headers, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -65,10 +64,15 @@ async def read_body(receive: Receive, headers: Headers, *, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise too_large
-        chunks.append(chunk)
+            raise _too_large(limit)
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            # Most bodies arrive in one message: no join, no copy.
+            return b"".join((*chunks, chunk)) if chunks else chunk
+        chunks.append(chunk)
+
+
+def _too_large(limit: int) -> RequestBodyTooLarge:
+    return RequestBodyTooLarge(f"the request body is larger than {limit} bytes")
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -86,19 +90,51 @@ async def _cancel_at_disconnect(receive: Receive, task: asyncio.Task[Any]) -> No
             task.cancel()
 
 
-async def cancel_on_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+# The ASGI scope extension through which a server reports a lost connection by callback,
+# sparing a watcher task per request (``server.protocol.EdgeProtocol`` offers it): a dict
+# whose ``"signal"`` is a ``DisconnectSignal``.
+DISCONNECT_EXTENSION = "idempotency_gateway.disconnect"
+
+
+class DisconnectSignal(Protocol):
+    def reports_for(self, receive: Receive) -> bool:
+        """Whether a disconnect seen through ``receive`` is this connection's loss: true for
+        the server's own ``receive``, false for a ``replay_receive`` that never disconnects."""
+        ...
+
+    def add(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once when the connection is lost (at once if it already is)."""
+        ...
+
+    def discard(self, callback: Callable[[], None]) -> None: ...
+
+
+def _disconnect_signal(scope: Scope, receive: Receive) -> DisconnectSignal | None:
+    extensions = scope.get("extensions")
+    extension = extensions.get(DISCONNECT_EXTENSION) if extensions else None
+    if extension is None:
+        return None
+    signal: DisconnectSignal = extension["signal"]
+    return signal if signal.reports_for(receive) else None
+
+
+async def cancel_on_disconnect(scope: Scope, receive: Receive, work: Coroutine[Any, Any, T]) -> T:
     """``work``'s result, or ``ClientDisconnected`` once the client went away first.
 
     Nobody is left to read the answer, so the work is cancelled (as Envoy resets the upstream
     stream). Call it only after the body was read; a ``replay_receive`` never disconnects,
     so a keyed execution is never cut short this way.
 
-    The work runs in the calling task and one watcher task cancels it at a disconnect, the
-    way ``asyncio.timeout`` cancels at its deadline: a second task for the work and an
+    The work runs in the calling task, cancelled at a disconnect the way ``asyncio.timeout``
+    cancels at its deadline: by the server's disconnect callback where it offers one, else
+    by one watcher task waiting on ``receive``. A second task for the work and an
     ``asyncio.wait`` on both would cost more than the proxying they guard.
     """
     task = asyncio.current_task()
     assert task is not None, "cancel_on_disconnect runs inside a task"
+    signal = _disconnect_signal(scope, receive)
+    if signal is not None:
+        return await _cancel_by_signal(signal, task, work)
     watcher = asyncio.ensure_future(_cancel_at_disconnect(receive, task))
     try:
         result = await work
@@ -113,5 +149,30 @@ async def cancel_on_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -
     if watcher.done() and not watcher.cancelled():
         # The work absorbed the watcher's cancellation and finished: withdraw the request,
         # so a later ``asyncio.timeout`` in this task still tells its own expiry apart.
+        task.uncancel()
+    return result
+
+
+async def _cancel_by_signal(
+    signal: DisconnectSignal, task: asyncio.Task[Any], work: Coroutine[Any, Any, T]
+) -> T:
+    disconnected = False
+
+    def on_disconnect() -> None:
+        nonlocal disconnected
+        disconnected = True
+        task.cancel()
+
+    signal.add(on_disconnect)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if disconnected and task.uncancel() == 0:
+            raise ClientDisconnected from None
+        raise
+    finally:
+        signal.discard(on_disconnect)
+    if disconnected:
+        # As above: the work absorbed the cancellation; withdraw it.
         task.uncancel()
     return result

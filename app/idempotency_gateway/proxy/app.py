@@ -133,6 +133,7 @@ class ProxyApp:
 
         deadline = Deadline.for_request(headers, upstream.client.config.timeouts.total)
         response = await cancel_on_disconnect(
+            scope,
             receive,
             upstream.open(
                 make_request,
