@@ -97,7 +97,9 @@ async def test_a_replay_is_one_get_and_a_new_key_two_round_trips(
 ) -> None:
     cache = cache_on(node)
     try:
-        assert await cache.ping()  # the connection is open before counting starts
+        # The connections are open (and their handshakes sent) before counting starts.
+        assert await cache.ping()
+        assert await cache.get(RecordKey("scope-round-trips", "warm-up", "warm-up")) is None
         counter = WriteCounter(monkeypatch)
 
         before = await command_counts(node.url)
@@ -221,4 +223,35 @@ async def test_a_client_library_failure_of_any_kind_degrades_and_never_reaches_t
         # The wake-ups do not own their clients (the gateway shares the cache's publisher).
         await wakeups.publisher.aclose()
         await wakeups.redis.aclose()
+        await cache.close()
+
+
+async def test_a_reply_that_came_too_late_is_never_read_as_another_keys_answer(
+    node: RedisNode, unique: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GET that times out while Redis hangs leaves its reply on the way: the connection
+    it was sent on must not serve the next GET, or that GET would read the late reply."""
+    first = RecordKey("scope-round-trips", "POST /v1/charges", unique("late-first"))
+    second = RecordKey("scope-round-trips", "POST /v1/charges", unique("late-second"))
+    cache = RedisCache(
+        connect_redis(node.url, timeout=None, connect_timeout=2.0),
+        timeout=0.2,
+        max_entry_bytes=4096,
+        breaker=CircuitBreaker(
+            "redis-cache", ONE_FAILURE_OPENS.model_copy(update={"min_calls": 100})
+        ),
+    )
+    try:
+        assert await cache.put(answer_for(first))
+        assert await cache.put(answer_for(second))
+        counter = WriteCounter(monkeypatch)
+        node.pause()
+        assert await cache.get(first) is None  # timed out: a miss, never an error
+        assert counter.writes == 1
+        node.resume()
+        # The late reply to the first GET is in flight; the second GET gets its own answer.
+        found = await cache.get(second)
+        assert found is not None
+        assert found.key == second
+    finally:
         await cache.close()

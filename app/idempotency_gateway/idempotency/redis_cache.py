@@ -17,9 +17,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from redis.asyncio import RedisCluster
+from redis.asyncio import Redis, RedisCluster
 
 from idempotency_gateway.clock import Clock, utc_now
 from idempotency_gateway.config import BreakerConfig
@@ -27,6 +27,7 @@ from idempotency_gateway.errors import CircuitOpen
 from idempotency_gateway.idempotency.cache import CachedAnswer, cache_key, decode, encode
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.redis_connection import RedisClient
+from idempotency_gateway.idempotency.redis_direct import DirectCommands
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, CACHE_LOOKUPS
@@ -84,6 +85,8 @@ class RedisCache:
         self.breaker = breaker or CircuitBreaker("redis-cache", CACHE_BREAKER)
         self.degradation = DegradationLog("Redis cache", fallback="serving from the durable store")
         self._clock = clock
+        # A single node is asked past redis-py's per-call layers; a cluster needs its routing.
+        self._direct = DirectCommands(redis) if isinstance(redis, Redis) else None
 
     @property
     def degraded(self) -> bool:
@@ -113,8 +116,13 @@ class RedisCache:
             self.breaker.record(permit, failure=not succeeded)
         return result
 
+    async def _get(self, name: str) -> Any:
+        if self._direct is not None:
+            return (await self._direct.run(("GET", name)))[0]
+        return await self.redis.get(name)
+
     async def get(self, key: RecordKey) -> CachedAnswer | None:
-        raw = await self._guarded("get", lambda: self.redis.get(cache_key(key)))
+        raw = await self._guarded("get", lambda: self._get(cache_key(key)))
         if raw is FAILED:
             CACHE_LOOKUPS.labels("error").inc()
             return None
@@ -140,6 +148,12 @@ class RedisCache:
         return stored is not FAILED
 
     async def _set_and_publish(self, key: RecordKey, value: bytes, ttl_ms: int) -> None:
+        if self._direct is not None:
+            await self._direct.run(
+                ("SET", cache_key(key), value, "PX", ttl_ms),
+                ("PUBLISH", wakeup_channel(key), b"1"),
+            )
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(cache_key(key), value, px=ttl_ms)
             if isinstance(self.redis, RedisCluster):
@@ -192,4 +206,6 @@ class RedisCache:
             return False
 
     async def close(self) -> None:
+        if self._direct is not None:
+            await self._direct.close()
         await self.redis.aclose()
