@@ -240,7 +240,8 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
             venv_tool("idempotency-gateway"), "serve",
             "--config", str(_gateway_config(ctx, spec)),
             "--port", str(port), "--admin-port", str(admin_port),
-            "--workers", str(spec.workers), "--log-format", "json", "--log-level", "warning",
+            # The default log level: the access line an operator keeps on is part of the cost.
+            "--workers", str(spec.workers), "--log-format", "json",
         ]  # fmt: skip
         process = spawn(
             spec.id,
