@@ -48,6 +48,7 @@ from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.routing import RouteRequests
+from idempotency_gateway.server.heap import settle_after_startup
 from idempotency_gateway.telemetry.metrics import (
     BREAKER_STATE,
     BREAKER_STATE_VALUES,
@@ -117,8 +118,12 @@ class Gateway:
         admin_token: SecretStr | None = None,
         scope_secret: SecretStr | None = None,
         drain: DrainState | None = None,
+        settle_heap: bool = False,
     ) -> None:
+        """``settle_heap``: once started, freeze the heap out of the garbage collector's way
+        (``server.heap``); for a process that serves this gateway alone, as ``serve`` does."""
         self.config = config
+        self.settle_heap = settle_heap
         self.drain = drain or DrainState()
         self.database_url = database_url_or_default(database_url)
         secret = resolve_scope_secret(scope_secret, self.database_url)
@@ -223,6 +228,8 @@ class Gateway:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
+                if self.settle_heap:
+                    settle_after_startup()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.shutdown()
@@ -252,4 +259,5 @@ def gateway_from_environment() -> Gateway:
         admin_token=settings.admin_token,
         scope_secret=settings.scope_secret,
         drain=DrainState.from_environment(),
+        settle_heap=True,
     )
