@@ -59,6 +59,8 @@ class PostgresRecordStore(RecordStore):
     async def _get_pool(self) -> asyncpg.Pool:
         # Built on first use: ``from_url`` is synchronous, and a gateway may start before
         # its database is up.
+        if self._pool is not None:
+            return self._pool
         async with self._pool_lock:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
@@ -79,8 +81,14 @@ class PostgresRecordStore(RecordStore):
     async def _pg(self, operation: str) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
         with store_errors(operation):
             pool = await self._get_pool()
-            async with pool.acquire(timeout=self.config.connect_timeout) as connection:
+            # asyncio.timeout rather than acquire(timeout=...): asyncpg applies that one with
+            # wait_for, a task of its own per acquire, twice per new key.
+            async with asyncio.timeout(self.config.connect_timeout):
+                connection = await pool.acquire()
+            try:
                 yield connection
+            finally:
+                await pool.release(connection)
 
     async def close(self) -> None:
         if self._pool is not None:
