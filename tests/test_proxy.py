@@ -275,7 +275,7 @@ async def test_cookies_set_for_one_client_never_reach_another(
 async def test_put_whose_connection_resets_is_sent_exactly_once(
     gateway: RunningGateway, upstream: RecordingUpstream
 ) -> None:
-    # A pooled connection first: aiohttp's silent resend applies to reused connections.
+    # A pooled connection first: clients that resend silently (aiohttp's did) do it there.
     warm_up = await gateway.client.get("/v1/things")
     assert warm_up.status_code == 201
 
