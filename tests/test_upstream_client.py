@@ -25,7 +25,7 @@ from idempotency_gateway.errors import (
 )
 from idempotency_gateway.proxy.app import upstream_target
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
-from idempotency_gateway.proxy.connection import READ_BUFFER_HIGH, READ_SIZE
+from idempotency_gateway.proxy.connection import MAX_HEAD, READ_BUFFER_HIGH, READ_SIZE
 from idempotency_gateway.target import RequestTarget
 from tests.support import eventually, free_port
 from tests.support.raw_upstream import Answer, RawUpstream, Received, reset, until_closed
@@ -577,6 +577,60 @@ async def test_garbage_instead_of_an_answer_is_a_lost_connection() -> None:
         with pytest.raises(UpstreamConnectionLost, match="invalid HTTP"):
             await client.open(request(), head_within=5.0)
         await upstream.wait_closed(1)
+
+
+async def test_a_head_that_never_ends_is_cut_off() -> None:
+    async def endless(request: Received, reader: asyncio.StreamReader, writer: Writer) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        field = b"X-Filler: " + b"f" * 1000 + b"\r\n"
+        with contextlib.suppress(ConnectionError):
+            while not writer.is_closing():
+                writer.write(field * 16)
+                await writer.drain()
+
+    async with RawUpstream(endless) as upstream, started(upstream.url) as client:
+        with pytest.raises(UpstreamConnectionLost, match=f"a head over {MAX_HEAD} bytes"):
+            await client.open(request(), head_within=5.0)
+        await upstream.wait_closed(1)
+
+
+async def test_an_answer_nobody_asked_for_closes_the_connection() -> None:
+    second = b"HTTP/1.1 500 Not Yours\r\nContent-Length: 4\r\n\r\nnope"
+    async with (
+        RawUpstream(answering(OK + second)) as upstream,
+        started(upstream.url) as client,
+    ):
+        status, headers, body = await fetch(client)
+        await upstream.wait_closed(1)
+        assert client.pool.open_connections == 0
+
+    assert (status, headers, body) == (200, [(b"content-length", b"2")], b"ok")
+
+
+async def test_an_answer_on_an_idle_connection_closes_it() -> None:
+    async with RawUpstream(answering(OK)) as upstream, started(upstream.url) as client:
+        await fetch(client)
+        assert client.pool.idle_connections == 1
+        upstream.writers[0].write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+        await upstream.wait_closed(1)
+        assert client.pool.open_connections == 0
+        await fetch(client)
+
+    assert [received.connection for received in upstream.requests] == [1, 2]
+
+
+async def test_a_response_dropped_unreleased_gives_its_place_back() -> None:
+    async with (
+        RawUpstream(answering(OK)) as upstream,
+        started(upstream.url, pool={"max_connections": 1}) as client,
+    ):
+        response = await client.open(request(), head_within=5.0)
+        assert client.pool.idle_connections == 0
+        del response
+        assert client.pool.idle_connections == 1
+        assert (await fetch(client))[2] == b"ok"
+
+    assert upstream.opened == 1
 
 
 @pytest.mark.parametrize("stage", ["head", "body"])

@@ -79,6 +79,10 @@ class UpstreamResponse:
         if connection is not None:
             self._pool.release(connection, reusable=connection.complete and connection.keep_alive)
 
+    # A response dropped unreleased (a bug) must not hold its connection's place in the pool
+    # for good: the cap would shrink by one each time.
+    __del__ = release
+
     async def chunks(self) -> AsyncIterator[tuple[bytes, bool]]:
         """The body as it arrives, each chunk with whether it is the last (the whole body
         was received and nothing is left to read); ``timeouts.per_try`` bounds every silence;

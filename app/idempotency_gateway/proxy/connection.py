@@ -25,6 +25,9 @@ READ_BUFFER_HIGH = 256 * 1024
 # Read straight into one buffer per connection (BufferedProtocol): the parser copies a body
 # out of it once, instead of once more from a fresh bytes object per read.
 READ_SIZE = 64 * 1024
+# The most a response head (interim answers included) may take: llhttp has no bound of its
+# own, and an upstream streaming fields forever must not grow the worker's memory with them.
+MAX_HEAD = 64 * 1024
 # uvloop's clock ticks in milliseconds: a timer may fire that much before its deadline.
 _TIMER_SLACK = 0.001
 
@@ -41,6 +44,10 @@ def timed_out(upstream: str, what: str) -> UpstreamTimeout:
         f"upstream {upstream!r} did not answer in time ({what}); the request may or may not "
         "have been processed"
     )
+
+
+class UnaskedAnswer(Exception):
+    """An answer began after the exchange's answer was complete."""
 
 
 class UpstreamConnection(asyncio.BufferedProtocol):
@@ -64,6 +71,7 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         self.keep_alive = False
         self.error: UpstreamError | None = None
         self._head_only = False
+        self._head_bytes = 0
         self._body: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
@@ -84,6 +92,7 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         self.head_done = self.complete = self.keep_alive = False
         self.error = None
         self._head_only = head_only
+        self._head_bytes = 0
         self._set_deadline(head_deadline, "no response head")
         cast(asyncio.Transport, self.transport).write(data)
 
@@ -156,11 +165,6 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         return self._read_buffer
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.idle:
-            # Nobody asked: an upstream talking on an idle connection (a 408 before it
-            # closes, say) has nothing to say to the next request.
-            cast(asyncio.Transport, self.transport).abort()
-            return
         try:
             self._parser.feed_data(self._read_buffer[:nbytes])
         except httptools.HttpParserUpgrade:
@@ -168,6 +172,11 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         except httptools.HttpParserError as exc:
             self._fail(connection_lost(self.upstream, f"invalid HTTP: {exc}"))
             cast(asyncio.Transport, self.transport).abort()
+        if not self.head_done:
+            self._head_bytes += nbytes
+            if self._head_bytes > MAX_HEAD:
+                self._fail(connection_lost(self.upstream, f"a head over {MAX_HEAD} bytes"))
+                cast(asyncio.Transport, self.transport).abort()
         if self.head_done or self.error is not None:
             self._wake()
 
@@ -190,6 +199,11 @@ class UpstreamConnection(asyncio.BufferedProtocol):
     # ------------------------------------------------------------- parser callbacks
 
     def on_message_begin(self) -> None:
+        if self.complete:
+            # An answer nobody asked for (after the whole answer, or on an idle connection: a
+            # 408 before the upstream closes it, say) puts the upstream out of step with the
+            # exchanges: the connection closes (the parser error is the way out).
+            raise UnaskedAnswer
         self.headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
