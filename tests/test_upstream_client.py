@@ -26,8 +26,12 @@ from idempotency_gateway.errors import (
 from idempotency_gateway.proxy.app import upstream_target
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.connection import MAX_HEAD, READ_BUFFER_HIGH, READ_SIZE
+from idempotency_gateway.proxy.deadline import Deadline
+from idempotency_gateway.proxy.resilient import ResilientUpstream, RetryPlan
+from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.target import RequestTarget
 from tests.support import eventually, free_port
+from tests.support.clock import ManualClock, state_of
 from tests.support.raw_upstream import Answer, RawUpstream, Received, reset, until_closed
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -190,6 +194,30 @@ async def test_a_field_holding_cr_lf_or_nul_is_refused_before_anything_is_sent(
     assert refused.value.retryable is False
     assert (status, body) == (200, b"ok")
     assert len(upstream.requests) == 1
+
+
+async def test_a_refused_request_is_neither_retried_nor_held_against_the_upstream() -> None:
+    clock = ManualClock()
+    built: list[float] = []
+
+    def make_request(head_within: float) -> UpstreamRequest:
+        built.append(head_within)
+        return request("POST", headers=[(b"x-a", b"1\r\nInjected: yes")], body=b"{}")
+
+    one_failure_opens = {"min_calls": 1, "failure_rate": 0.5}
+    async with (
+        RawUpstream(answering(OK)) as upstream,
+        started(upstream.url, retry={"max_attempts": 3}, breaker=one_failure_opens) as client,
+    ):
+        resilient = ResilientUpstream(client, clock=clock, sleep=clock.sleep, uniform=clock.uniform)
+        plan = RetryPlan(idempotent=True, retry_ambiguous=True, ambiguous_statuses=frozenset())
+        with pytest.raises(UpstreamRequestRefused):
+            await resilient.open(make_request, deadline=Deadline(10.0, clock=clock), plan=plan)
+
+    assert len(built) == 1  # connect failures are retried; this is not one
+    assert clock.sleeps == []
+    assert state_of(resilient.breaker) is BreakerState.CLOSED
+    assert upstream.opened == 0
 
 
 # ------------------------------------------------------------------------------ the pool
