@@ -131,8 +131,8 @@ async def resilient(
 def behaving(upstream: RecordingUpstream, behavior: str) -> UpstreamRequest:
     return UpstreamRequest(
         method="GET",
-        url=f"{upstream.url}/v1/charges",
-        headers=[("X-Test-Behavior", behavior)],
+        target=b"/v1/charges",
+        headers=[(b"X-Test-Behavior", behavior.encode())],
         body=b"",
     )
 

@@ -105,11 +105,11 @@ def charge_request(upstream: RecordingUpstream, behavior: str, key: str = "k1") 
     def make(head_within: float) -> UpstreamRequest:
         return UpstreamRequest(
             method="POST",
-            url=f"{upstream.url}{CHARGES}",
+            target=CHARGES.encode(),
             headers=[
-                ("Idempotency-Key", key),
-                ("X-Test-Behavior", behavior),
-                ("X-Request-Timeout", f"{head_within:.3f}"),
+                (b"Idempotency-Key", key.encode()),
+                (b"X-Test-Behavior", behavior.encode()),
+                (b"X-Request-Timeout", b"%.3f" % head_within),
             ],
             body=b"{}",
         )

@@ -1,8 +1,9 @@
 """The gateway's one error tree.
 
 Every failure a client can see is a ``GatewayError``; each knows the RFC 9457 problem it
-becomes. Low-level exceptions (aiohttp, SQLAlchemy/asyncpg/aiosqlite) are translated into
-this tree in one place each: ``proxy.client`` and ``idempotency.store``.
+becomes. Low-level failures (sockets and HTTP parsing, SQLAlchemy/asyncpg/aiosqlite) are
+translated into this tree in one place each: ``proxy`` (its client, connection and pool) and
+``idempotency.store``.
 
     GatewayError
     ├── RequestRejected                 the request itself is wrong (4xx)
@@ -26,7 +27,8 @@ this tree in one place each: ``proxy.client`` and ``idempotency.store``.
     └── UpstreamError                   the upstream call failed
         ├── UpstreamNotSent               the request never left: safe to execute again (502)
         │   ├── CircuitOpen                 the upstream's breaker is open (503, Retry-After)
-        │   └── DeadlineExhausted           too little time left to try (504)
+        │   ├── DeadlineExhausted           too little time left to try (504)
+        │   └── UpstreamRequestRefused      a field would break the request's framing (500)
         └── UpstreamAmbiguous             sent, but no complete answer came back
             ├── UpstreamTimeout             504
             ├── UpstreamConnectionLost      502
@@ -207,6 +209,17 @@ class DeadlineExhausted(UpstreamNotSent):
     status = 504
     slug = "deadline-exhausted"
     title = "Request deadline exhausted"
+
+
+class UpstreamRequestRefused(UpstreamNotSent):
+    """A field the gateway was about to send upstream holds CR, LF or NUL: sending it could
+    smuggle a field or a request past the upstream's framing. Nothing was sent; the server
+    never lets such bytes in, so this is a gateway bug, and no retry would end differently."""
+
+    status = 500
+    slug = "upstream-request-refused"
+    title = "Request refused before reaching the upstream"
+    retryable = False
 
 
 class UpstreamAmbiguous(UpstreamError):

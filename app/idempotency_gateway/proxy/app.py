@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from yarl import URL
-
 from idempotency_gateway.asgi import (
     ClientDisconnected,
     Receive,
@@ -43,24 +41,16 @@ class ResponseCutShort(Exception):
     """The upstream's answer broke off mid-body; the server closes the client's connection."""
 
 
-def upstream_url(base: URL, target: RequestTarget) -> str:
-    """The configured base with the client's canonical path and query joined on.
+def upstream_target(base_path: bytes, target: RequestTarget) -> bytes:
+    """The request line's target: the base URL's own path, the client's canonical path and
+    its query.
 
-    Scheme, authority and the base's own path come from the config alone: the canonical
-    path starts with ``/`` and holds only path characters, so nothing in it can be read as
-    userinfo, a host or a port, and the query follows it as a query.
+    Scheme and authority come from the config alone (the client connects there and writes
+    ``Host``); the canonical path starts with ``/`` and holds only path characters, and the
+    query follows it as a query.
     """
-    url = URL.build(
-        scheme=base.scheme,
-        user=base.raw_user,
-        password=base.raw_password,
-        host=base.raw_host or "",
-        port=base.explicit_port,
-        path=base.raw_path.rstrip("/") + target.path_text,
-        query_string=target.query.decode("latin-1"),
-        encoded=True,
-    )
-    return str(url)
+    path = base_path + target.path
+    return path + b"?" + target.query if target.query else path
 
 
 class ProxyApp:
@@ -69,9 +59,7 @@ class ProxyApp:
         self.upstreams = upstreams
         self.key_header = config.idempotency_header.lower().encode("ascii")
         # Parsed once: a request never gets to take part in parsing where it goes.
-        self.bases = {
-            name: URL(upstream.client.config.base_url) for name, upstream in upstreams.items()
-        }
+        self.base_paths = {name: upstream.client.base_path for name, upstream in upstreams.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -116,12 +104,12 @@ class ProxyApp:
             entry.route, entry.upstream = route.name, upstream.name
         headers = scope["headers"]
         body = await read_body(receive, headers, limit=self.config.limits.max_request_body)
-        url = upstream_url(self.bases[route.upstream], target)
+        request_target = upstream_target(self.base_paths[route.upstream], target)
 
         def make_request(head_within: float) -> UpstreamRequest:
             return UpstreamRequest(
                 method=scope["method"],
-                url=url,
+                target=request_target,
                 headers=upstream_request_headers(
                     scope,
                     key_header=self.key_header,

@@ -1,138 +1,204 @@
-"""The upstream HTTP client: one pooled aiohttp session per upstream, behind a small API.
+"""The upstream HTTP client: HTTP/1.1 over a pool of keep-alive connections per upstream.
 
-aiohttp's client is the hot path (several times httpx's throughput as a proxy on the same
-machine). Everything aiohttp-specific lives here, including the one place where its
-exceptions become the gateway's ``UpstreamError`` tree, so the client can be swapped.
+The request goes out byte for byte as the proxy built it: the method, the canonical target
+and the fields, with only ``Host`` (the upstream's authority) and ``Content-Length`` added;
+no ``User-Agent``, ``Accept`` or ``Content-Type`` of the client's own, no decompression, no
+cookies, no redirects, and never a second copy of a request behind the caller's back. httptools
+parses the answers (``proxy/connection.py``); the pool is ``proxy/pool.py``. Failures are
+sorted by the one thing that matters, whether the request left: ``UpstreamNotSent`` (connect
+refused or timed out, a field refused), else ``UpstreamTimeout`` or ``UpstreamConnectionLost``.
 """
 
 from __future__ import annotations
 
-import asyncio
+import base64
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
-import aiohttp
-from yarl import URL
+from urllib.parse import unquote, urlsplit
 
 from idempotency_gateway.asgi import Headers
 from idempotency_gateway.config import UpstreamConfig
 from idempotency_gateway.errors import (
-    UpstreamConnectionLost,
-    UpstreamError,
     UpstreamInvalidResponse,
     UpstreamNotSent,
-    UpstreamTimeout,
+    UpstreamRequestRefused,
     is_final_status,
 )
+from idempotency_gateway.proxy.connection import UpstreamConnection
+from idempotency_gateway.proxy.pool import ConnectionPool
 
-_CHUNK = 64 * 1024
+# Methods without a body by definition: like aiohttp before, every other method without a
+# body says so with ``Content-Length: 0`` (some servers answer 411 to a POST without it).
+_BODYLESS_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamRequest:
     method: str
-    url: str
-    headers: list[tuple[str, str]]
+    target: bytes
+    """The request line's target: the base URL's path, the canonical path and the query."""
+    headers: Headers
+    """Sent as they are, in order; never ``Host`` nor ``Content-Length`` (the client writes
+    those)."""
     body: bytes
 
 
-def translate_error(exc: BaseException, upstream: str) -> UpstreamError:
-    """aiohttp's failures, sorted by the one thing that matters: did the request leave?"""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return UpstreamNotSent(f"connecting to upstream {upstream!r} timed out")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamNotSent(f"cannot connect to upstream {upstream!r}: {exc.os_error}")
-    if isinstance(exc, TimeoutError):
-        return UpstreamTimeout(
-            f"upstream {upstream!r} did not answer in time; the request may or may not "
-            "have been processed"
-        )
-    return UpstreamConnectionLost(
-        f"the connection to upstream {upstream!r} broke before a complete answer "
-        f"({type(exc).__name__}); the request may or may not have been processed"
-    )
-
-
 class UpstreamResponse:
-    def __init__(self, response: aiohttp.ClientResponse, upstream: str) -> None:
-        self._response = response
-        self._upstream = upstream
-        self.status = response.status
-        self.headers: Headers = [(name.lower(), value) for name, value in response.raw_headers]
+    """The final answer's head; the body follows through ``chunks()``. ``release()`` it once:
+    the connection goes back to the pool only if the whole answer was received."""
+
+    __slots__ = ("_connection", "_pool", "_silence", "headers", "status")
+
+    def __init__(
+        self, connection: UpstreamConnection, pool: ConnectionPool, silence: float
+    ) -> None:
+        self._connection: UpstreamConnection | None = connection
+        self._pool = pool
+        self._silence = silence
+        self.status = connection.status
+        self.headers: Headers = connection.headers
+        """Lower-cased names, values as received."""
 
     def header(self, name: str) -> str | None:
-        return self._response.headers.get(name)
+        wanted = name.lower().encode("latin-1")
+        for field, value in self.headers:
+            if field == wanted:
+                return value.decode("latin-1")
+        return None
+
+    @property
+    def buffered(self) -> int:
+        """Body bytes received and not yet read: reading the socket pauses above
+        ``READ_BUFFER_HIGH``, so this stays under it plus one read."""
+        connection = self._connection
+        return 0 if connection is None else connection.buffered
 
     def release(self) -> None:
-        self._response.release()
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._pool.release(connection, reusable=connection.complete and connection.keep_alive)
+
+    # A response dropped unreleased (a bug) must not hold its connection's place in the pool
+    # for good: the cap would shrink by one each time.
+    __del__ = release
 
     async def chunks(self) -> AsyncIterator[tuple[bytes, bool]]:
         """The body as it arrives, each chunk with whether it is the last (the whole body
-        was received and nothing is left to read); a broken stream raises an
-        ``UpstreamError``."""
-        content = self._response.content
-        try:
-            async for chunk in content.iter_chunked(_CHUNK):
-                yield chunk, content.is_eof()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise translate_error(exc, self._upstream) from exc
+        was received and nothing is left to read); ``timeouts.per_try`` bounds every silence;
+        a broken stream raises an ``UpstreamError``. A body that came with the head is one
+        chunk, without a wait; larger ones go on in the pieces they arrived in."""
+        while (connection := self._connection) is not None:
+            if connection.has_body:
+                yield connection.take(), connection.complete and not connection.has_body
+            elif connection.complete:
+                return
+            else:
+                await connection.more(self._silence)
 
 
 class UpstreamClient:
     def __init__(self, name: str, config: UpstreamConfig) -> None:
         self.name = name
         self.config = config
-        self._session: aiohttp.ClientSession | None = None
+        base = urlsplit(config.base_url)
+        self._host = base.hostname or ""
+        self._port = base.port or (443 if base.scheme == "https" else 80)
+        self._tls = base.scheme == "https"
+        self.base_path = base.path.rstrip("/").encode("ascii")
+        """Joined in front of every canonical path (``proxy/app.py``)."""
+        authority = base.netloc.rpartition("@")[2]
+        self._host_line = b" HTTP/1.1\r\nHost: " + authority.encode("ascii")
+        # Credentials in the base URL become Basic authentication, in place of the client's
+        # own Authorization, as aiohttp sent them.
+        self._authorization: bytes | None = None
+        if base.username is not None:
+            credentials = f"{unquote(base.username)}:{unquote(base.password or '')}"
+            self._authorization = b"Basic " + base64.b64encode(credentials.encode("latin-1"))
+        self._pool: ConnectionPool | None = None
 
     async def start(self) -> None:
-        timeouts = self.config.timeouts
-        connector = aiohttp.TCPConnector(
-            limit=self.config.pool.max_connections,
-            limit_per_host=0,
-            keepalive_timeout=self.config.pool.keepalive,
+        self._pool = ConnectionPool(
+            self.name,
+            host=self._host,
+            port=self._port,
+            ssl_context=ssl.create_default_context() if self._tls else None,
+            max_connections=self.config.pool.max_connections,
+            keepalive=self.config.pool.keepalive,
         )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            # Clients must never share cookies through the gateway.
-            cookie_jar=aiohttp.DummyCookieJar(),
-            # Bodies pass through byte for byte, Content-Encoding and all.
-            auto_decompress=False,
-            # connect covers waiting for a pooled connection too; sock_read bounds every
-            # silence, between body chunks as well as before the status line.
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=timeouts.connect, sock_read=timeouts.per_try
-            ),
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-        )
-        # aiohttp silently resends GET/PUT/DELETE once when a pooled connection breaks. A
-        # PUT the upstream may already have executed must not go out twice behind the
-        # gateway's back: whether to try again is the gateway's decision, made explicitly.
-        self._session._retry_connection = False
+
+    @property
+    def pool(self) -> ConnectionPool:
+        assert self._pool is not None, "UpstreamClient.start() was not called"
+        return self._pool
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
 
     async def open(self, request: UpstreamRequest, *, head_within: float) -> UpstreamResponse:
-        """One attempt: ``head_within`` seconds bound the wait for the response head.
-        The caller must ``release()`` the response."""
-        assert self._session is not None, "UpstreamClient.start() was not called"
+        """One attempt: ``head_within`` seconds bound the wait for the response head (and
+        connecting, within ``timeouts.connect``). The caller must ``release()`` the response."""
+        pool = self._pool
+        assert pool is not None, "UpstreamClient.start() was not called"
+        data = self._encode(request)
+        started = pool.loop.time()
+        connection = pool.idle_connection(started)
+        if connection is None:
+            connect_within = min(self.config.timeouts.connect, head_within)
+            connection = await self._connect(pool, started + connect_within)
         try:
-            async with asyncio.timeout(head_within):
-                response = await self._session.request(
-                    request.method,
-                    # Already encoded: the upstream must see the client's path byte for byte.
-                    URL(request.url, encoded=True),
-                    headers=request.headers,
-                    data=request.body or None,
-                    allow_redirects=False,
-                )
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise translate_error(exc, self.name) from exc
-        if not is_final_status(response.status):
-            response.release()
+            connection.send(
+                data, head_deadline=started + head_within, head_only=request.method == "HEAD"
+            )
+            await connection.head()
+        except BaseException:
+            # Failed, timed out or cancelled (the client went away): never reused half-way.
+            pool.release(connection, reusable=False)
+            raise
+        if not is_final_status(connection.status):
+            pool.release(connection, reusable=False)
             raise UpstreamInvalidResponse(
-                f"upstream {self.name!r} answered with status {response.status}, which is "
+                f"upstream {self.name!r} answered with status {connection.status}, which is "
                 "not a final HTTP status; the request may or may not have been processed"
             )
-        return UpstreamResponse(response, self.name)
+        return UpstreamResponse(connection, pool, self.config.timeouts.per_try)
+
+    async def _connect(self, pool: ConnectionPool, deadline: float) -> UpstreamConnection:
+        try:
+            return await pool.connect(deadline)
+        except TimeoutError:
+            raise UpstreamNotSent(f"connecting to upstream {self.name!r} timed out") from None
+        except OSError as exc:
+            raise UpstreamNotSent(f"cannot connect to upstream {self.name!r}: {exc}") from exc
+
+    def _encode(self, request: UpstreamRequest) -> bytes:
+        """Head and body as one buffer, for one write. A CR, LF or NUL anywhere in the head
+        but in the line breaks written here is refused: it would let a field or a second
+        request past the upstream's framing."""
+        method = request.method.encode("latin-1")
+        lines = [method, b" ", request.target, self._host_line]
+        headers = request.headers
+        if self._authorization is not None:
+            headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
+            headers.append((b"authorization", self._authorization))
+        for name, value in headers:
+            lines += (b"\r\n", name, b": ", value)
+        # The line breaks written here: after the request line, Host, each field and the
+        # length, and the empty line (two).
+        breaks = len(headers) + 3
+        body = request.body
+        if body:
+            lines.append(b"\r\nContent-Length: %d" % len(body))
+            breaks += 1
+        elif method not in _BODYLESS_METHODS:
+            lines.append(b"\r\nContent-Length: 0")
+            breaks += 1
+        lines.append(b"\r\n\r\n")
+        head = b"".join(lines)
+        # One pass: deleting CR, LF and NUL removes exactly our breaks' two bytes each.
+        if len(head) - len(head.translate(None, b"\r\n\x00")) != 2 * breaks:
+            raise UpstreamRequestRefused(
+                f"a field for upstream {self.name!r} holds CR, LF or NUL; nothing was sent"
+            )
+        return head + body if body else head

@@ -22,7 +22,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 VIA_PSEUDONYM = b"idempotency-gateway"
-# Written by the gateway (or by aiohttp for the upstream connection), never
+# Written by the gateway (or by its client for the upstream connection), never
 # copied over from the client: a client must neither forge nor remove them.
 _GATEWAY_WRITTEN = frozenset(
     {
@@ -71,16 +71,17 @@ def _not_copied(key_header: bytes) -> frozenset[bytes]:
 
 def upstream_request_headers(
     scope: Scope, *, key_header: bytes, trusted_proxies: TrustedProxies, timeout_seconds: float
-) -> list[tuple[str, str]]:
+) -> Headers:
     """The fields sent upstream: the client's end-to-end ones, then the gateway's own (key,
-    fencing token, request id, ``Via``, ``X-Forwarded-*``, the budget).
+    fencing token, request id, ``Via``, ``X-Forwarded-*``, the budget), as bytes: the
+    client's go on byte for byte, whatever their encoding.
 
     ``key_header`` is the lower-case name of the idempotency key field. Hop-by-hop removal
     applies to the client's fields only, before the gateway adds its own. One pass over the
     client's fields finds both what is forwarded and what the gateway's fields are built from.
     """
     not_copied = _not_copied(key_header)
-    forwarded: list[tuple[bytes, bytes]] = []
+    forwarded: Headers = []
     keys: Headers = []
     # The first value of each field the gateway's own fields are built from.
     firsts: dict[bytes, bytes] = {}
@@ -128,16 +129,7 @@ def upstream_request_headers(
     if prefix is not None:
         forwarded.append((b"x-forwarded-prefix", prefix))
     forwarded.append((b"x-request-timeout", f"{timeout_seconds:.3f}".encode()))
-    return [(name.decode("latin-1"), _header_text(value)) for name, value in forwarded]
-
-
-def _header_text(value: bytes) -> str:
-    """aiohttp writes header values as UTF-8: decoding UTF-8 here forwards such bytes exactly
-    (the usual non-ASCII case); other bytes can only go on as their latin-1 reading."""
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        return value.decode("latin-1")
+    return forwarded
 
 
 # The gateway's server writes its own Date (two Date fields would confuse caches), and its

@@ -26,6 +26,7 @@ from idempotency_gateway.errors import (
     UpstreamConnectionLost,
     UpstreamError,
     UpstreamNotSent,
+    UpstreamRequestRefused,
     UpstreamTimeout,
 )
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
@@ -179,6 +180,8 @@ class ResilientUpstream:
                 return response
 
     def _why_not_retry_error(self, error: UpstreamError, plan: RetryPlan) -> str | None:
+        if isinstance(error, UpstreamRequestRefused):
+            return "the gateway refused to send it; another attempt would be refused too"
         if isinstance(error, UpstreamNotSent):
             if CONNECT_FAILURE in self.retry.retry_on:
                 return None
@@ -251,6 +254,8 @@ class ResilientUpstream:
         )
 
     def _error_is_failure(self, error: UpstreamError) -> bool:
+        if isinstance(error, UpstreamRequestRefused):
+            return False  # says nothing about the upstream's health
         if isinstance(error, UpstreamNotSent):
             return CONNECT_FAILURE in self.breaker_failures
         if isinstance(error, UpstreamTimeout):

@@ -1,0 +1,298 @@
+"""One keep-alive HTTP/1.1 connection to an upstream: an asyncio protocol around httptools.
+
+httptools (llhttp, the parser uvicorn serves with) does the framing: status line, fields,
+``Content-Length``, chunked coding, bodies that 1xx/204/304 answers never have, keep-alive.
+This module only keeps one exchange's state, its deadlines (loop timers that abort the
+transport when they fire) and the flow control of a body the consumer reads slower than it
+arrives. It never writes a request twice: what happens after a failure is the caller's
+decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import cast
+
+import httptools
+
+from idempotency_gateway.errors import UpstreamConnectionLost, UpstreamError, UpstreamTimeout
+
+# Unread body bytes above which the socket is no longer read until the consumer catches up:
+# a large answer streams through a bounded buffer instead of piling up in memory.
+READ_BUFFER_HIGH = 256 * 1024
+# Read straight into one buffer per connection (BufferedProtocol): the parser copies a body
+# out of it once, instead of once more from a fresh bytes object per read.
+READ_SIZE = 64 * 1024
+# The most a response head (interim answers included) may take: llhttp has no bound of its
+# own, and an upstream streaming fields forever must not grow the worker's memory with them.
+MAX_HEAD = 64 * 1024
+# uvloop's clock ticks in milliseconds: a timer may fire that much before its deadline.
+_TIMER_SLACK = 0.001
+
+
+def connection_lost(upstream: str, why: str) -> UpstreamConnectionLost:
+    return UpstreamConnectionLost(
+        f"the connection to upstream {upstream!r} broke before a complete answer ({why}); "
+        "the request may or may not have been processed"
+    )
+
+
+def timed_out(upstream: str, what: str) -> UpstreamTimeout:
+    return UpstreamTimeout(
+        f"upstream {upstream!r} did not answer in time ({what}); the request may or may not "
+        "have been processed"
+    )
+
+
+class UnaskedAnswer(Exception):
+    """An answer began after the exchange's answer was complete."""
+
+
+class UpstreamConnection(asyncio.BufferedProtocol):
+    """Carries one exchange at a time: ``send``, then ``head()``, then ``take``/``more`` for
+    the body. ``idle`` is true while the pool holds it; ``on_idle_close`` is how the pool
+    learns that the upstream closed it then."""
+
+    def __init__(self, upstream: str, on_idle_close: Callable[[UpstreamConnection], None]) -> None:
+        self.upstream = upstream
+        self._on_idle_close = on_idle_close
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle = False
+        self.idle_since = 0.0
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.error: UpstreamError | None = None
+        self._head_only = False
+        self._head_bytes = 0
+        self._body: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        # One deadline at a time (the head's, then each silence mid-body), behind one timer.
+        self._deadline: float | None = None
+        self._deadline_what = ""
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._read_buffer = memoryview(bytearray(READ_SIZE))
+
+    # ------------------------------------------------------------------ the exchange
+
+    def send(self, data: bytes, *, head_deadline: float, head_only: bool) -> None:
+        """Write the whole request (head and body in one write) and start the head's timer.
+
+        ``head_only``: a HEAD request, whose answer has no body whatever its fields say."""
+        self.head_done = self.complete = self.keep_alive = False
+        self.error = None
+        self._head_only = head_only
+        self._head_bytes = 0
+        self._set_deadline(head_deadline, "no response head")
+        cast(asyncio.Transport, self.transport).write(data)
+
+    async def head(self) -> None:
+        """Until the final answer's head arrived; the exchange's ``UpstreamError`` otherwise."""
+        while not self.head_done:
+            if self.error is not None:
+                raise self.error
+            waiter = self._waiter = self._loop.create_future()
+            await waiter
+
+    @property
+    def has_body(self) -> bool:
+        return bool(self._body)
+
+    @property
+    def buffered(self) -> int:
+        return self._buffered
+
+    def take(self) -> bytes:
+        """The oldest body bytes received and not yet taken, as they came (no copy); reading
+        resumes once the consumer took all that had piled up."""
+        body = self._body
+        data = body.popleft()
+        self._buffered -= len(data)
+        if self._paused and not body:
+            self._paused = False
+            cast(asyncio.Transport, self.transport).resume_reading()
+        return data
+
+    async def more(self, silence: float) -> None:
+        """Until more body, its end, or a failure; at most ``silence`` seconds of nothing."""
+        if self.error is None:
+            self._set_deadline(self._loop.time() + silence, "silence mid-body")
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._deadline = None
+        if not self._body and self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Gracefully when the exchange is complete, at once (abort) otherwise."""
+        self._cancel_timer()
+        self.closed = True
+        if self.transport is not None:
+            if self.complete:
+                self.transport.close()
+            else:
+                self.transport.abort()
+
+    def make_idle(self, now: float) -> None:
+        """Between exchanges: what the last answer's consumer left unread is dropped, and
+        reading goes on, so an upstream closing the connection is seen at once."""
+        self.idle = True
+        self.idle_since = now
+        self._body.clear()
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            cast(asyncio.Transport, self.transport).resume_reading()
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._read_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self._parser.feed_data(self._read_buffer[:nbytes])
+        except httptools.HttpParserUpgrade:
+            pass  # a 101: the head is done and the connection is never reused
+        except httptools.HttpParserError as exc:
+            self._fail(connection_lost(self.upstream, f"invalid HTTP: {exc}"))
+            cast(asyncio.Transport, self.transport).abort()
+        if not self.head_done:
+            self._head_bytes += nbytes
+            if self._head_bytes > MAX_HEAD:
+                self._fail(connection_lost(self.upstream, f"a head over {MAX_HEAD} bytes"))
+                cast(asyncio.Transport, self.transport).abort()
+        if self.head_done or self.error is not None:
+            self._wake()
+
+    def eof_received(self) -> bool | None:
+        self.closed = True
+        return None  # the transport closes itself; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if self.idle:
+            self._on_idle_close(self)
+            return
+        if self.head_done and not self.complete and self._delimited_by_close():
+            self.complete = True
+        else:
+            self._fail(connection_lost(self.upstream, str(exc or "closed by the upstream")))
+        self._wake()
+
+    # ------------------------------------------------------------- parser callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # An answer nobody asked for (after the whole answer, or on an idle connection: a
+            # 408 before the upstream closes it, say) puts the upstream out of step with the
+            # exchanges: the connection closes (the parser error is the way out).
+            raise UnaskedAnswer
+        self.headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            return  # interim (100 Continue, 103 Early Hints): the final answer follows
+        self.status = status
+        self.head_done = True
+        self._deadline = None
+        if self._head_only or status == 101:
+            # HEAD: llhttp cannot be told to skip the body a Content-Length announces, so the
+            # answer ends here and the connection, mid-message for the parser, is not reused.
+            # 101: what follows is no longer HTTP.
+            self.complete = True
+
+    def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return  # bytes after a HEAD answer's head, on a connection that closes
+        self._body.append(body)
+        self._buffered += len(body)
+        if self._buffered > READ_BUFFER_HIGH and not self._paused:
+            self._paused = True
+            cast(asyncio.Transport, self.transport).pause_reading()
+
+    def on_message_complete(self) -> None:
+        if not self.head_done or self.complete:
+            return  # an interim answer, or the rest of a HEAD answer
+        self.complete = True
+        self.keep_alive = self._parser.should_keep_alive()
+
+    # ----------------------------------------------------------------------- inner
+
+    def _delimited_by_close(self) -> bool:
+        """An answer with neither Content-Length nor chunked coding ends when the
+        connection does (RFC 9112 section 6.3): losing the connection completes it."""
+        content_length = False
+        coding: bytes | None = None
+        for name, value in self.headers:
+            if name == b"transfer-encoding":
+                coding = value
+            elif name == b"content-length":
+                content_length = True
+        if coding is not None:
+            return not coding.rstrip().lower().endswith(b"chunked")
+        return not content_length
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+
+    def _set_deadline(self, when: float, what: str) -> None:
+        """Arm the exchange's deadline. The loop timer is not moved for every exchange: one
+        due no later than ``when`` fires, finds the deadline it should wait for and re-arms,
+        so a busy connection costs a timer per deadline period rather than per request."""
+        self._deadline = when
+        self._deadline_what = what
+        timer = self._timer
+        if timer is None or self._timer_at > when:
+            if timer is not None:
+                timer.cancel()
+            self._timer = self._loop.call_at(when, self._on_timer)
+            self._timer_at = when
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if deadline is None:
+            return
+        if deadline > self._loop.time() + _TIMER_SLACK:
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer_at = deadline
+            return
+        self._deadline = None
+        self._fail(timed_out(self.upstream, self._deadline_what))
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
