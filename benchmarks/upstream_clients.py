@@ -62,6 +62,8 @@ async def aiohttp_client(base: str, concurrency: int, stack: AsyncExitStack) -> 
         connector=aiohttp.TCPConnector(limit=concurrency, limit_per_host=0),
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
+        # The gateway's default timeouts: connect 1 s, per_try 10 s as the socket read bound.
+        timeout=aiohttp.ClientTimeout(total=None, connect=1.0, sock_read=10.0),
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
     )
     session._retry_connection = False
@@ -71,9 +73,13 @@ async def aiohttp_client(base: str, concurrency: int, stack: AsyncExitStack) -> 
     async def fetch(path: bytes) -> int:
         url = URL(base + path.decode(), encoded=True)
         size = 0
-        async with session.request("GET", url, headers=fields, allow_redirects=False) as answer:
+        async with asyncio.timeout(10.0):  # head_within, as the gateway bounded each attempt
+            answer = await session.request("GET", url, headers=fields, allow_redirects=False)
+        try:
             async for chunk in answer.content.iter_chunked(64 * 1024):
                 size += len(chunk)
+        finally:
+            answer.release()
         return size
 
     return fetch

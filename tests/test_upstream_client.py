@@ -32,7 +32,8 @@ from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.target import RequestTarget
 from tests.support import eventually, free_port
 from tests.support.clock import ManualClock, state_of
-from tests.support.raw_upstream import Answer, RawUpstream, Received, reset, until_closed
+from tests.support.raw_upstream import Answer, RawUpstream, Received, until_closed
+from tests.support.tcp_proxy import reset
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 Writer = asyncio.StreamWriter

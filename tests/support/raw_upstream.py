@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import socket
-import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,15 +37,6 @@ class Received:
 
 
 Answer = Callable[[Received, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-def reset(writer: asyncio.StreamWriter) -> None:
-    """Abort the connection with a TCP RST (SO_LINGER 0) instead of an orderly close."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
 
 
 async def until_closed(reader: asyncio.StreamReader) -> None:

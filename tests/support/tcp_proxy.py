@@ -27,7 +27,7 @@ LOOPBACK = "127.0.0.1"
 _CHUNK = 65536
 
 
-def _reset(writer: asyncio.StreamWriter) -> None:
+def reset(writer: asyncio.StreamWriter) -> None:
     """Abort the connection with a TCP RST instead of an orderly close."""
     sock = writer.get_extra_info("socket")
     if sock is not None:
@@ -75,7 +75,7 @@ class TcpProxy(StartedInContext):
         """Kill every open connection (reset) and refuse new ones until ``restore``."""
         self._cut = True
         for writer in list(self._writers):
-            _reset(writer)
+            reset(writer)
         await self._settle()
 
     async def restore(self) -> None:
@@ -87,7 +87,7 @@ class TcpProxy(StartedInContext):
         if server is not None:
             server.close()
         for writer in list(self._writers):
-            _reset(writer)
+            reset(writer)
         await self._settle()
         if server is not None:
             await server.wait_closed()
@@ -100,14 +100,14 @@ class TcpProxy(StartedInContext):
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._cut:
             self.rejected += 1
-            _reset(writer)
+            reset(writer)
             return
         try:
             target_reader, target_writer = await asyncio.open_connection(
                 self.target_host, self.target_port
             )
         except OSError:
-            _reset(writer)
+            reset(writer)
             return
         self.forwarded += 1
         self._writers.update((writer, target_writer))
@@ -138,5 +138,5 @@ class TcpProxy(StartedInContext):
             if writer.can_write_eof():
                 writer.write_eof()
         except (OSError, RuntimeError):
-            _reset(writer)
-            _reset(other)
+            reset(writer)
+            reset(other)
