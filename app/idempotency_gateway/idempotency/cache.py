@@ -27,7 +27,10 @@ from idempotency_gateway.idempotency.record import (
     Status,
     StoredResponse,
 )
-from idempotency_gateway.telemetry.metrics import CACHE_LOOKUPS
+from idempotency_gateway.telemetry.metrics import CACHE_LOOKUPS, Children
+
+# Bound once per result (hit, miss, error), shared by every cache.
+cache_lookups = Children(CACHE_LOOKUPS)
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +187,9 @@ class InProcessCache:
             self._remove(key)
             answer = None
         if answer is None:
-            CACHE_LOOKUPS.labels("miss").inc()
+            cache_lookups("miss").inc()
             return None
-        CACHE_LOOKUPS.labels("hit").inc()
+        cache_lookups("hit").inc()
         self._entries.move_to_end(key)
         return answer
 

@@ -24,13 +24,19 @@ from redis.asyncio import Redis, RedisCluster
 from idempotency_gateway.clock import Clock, utc_now
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
-from idempotency_gateway.idempotency.cache import CachedAnswer, cache_key, decode, encode
+from idempotency_gateway.idempotency.cache import (
+    CachedAnswer,
+    cache_key,
+    cache_lookups,
+    decode,
+    encode,
+)
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.redis_connection import RedisClient
 from idempotency_gateway.idempotency.redis_direct import DirectCommands
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.degradation import DegradationLog
-from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, CACHE_LOOKUPS
+from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, Children
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,8 @@ CACHE_BREAKER = BreakerConfig(
 REDIS_FAILURES: tuple[type[Exception], ...] = (Exception,)
 
 WAKEUP_CHANNEL_PREFIX = "idgw:w:"
+
+_cache_latency = Children(CACHE_LATENCY)
 
 
 def wakeup_channel(key: RecordKey) -> str:
@@ -109,7 +117,7 @@ class RedisCache:
             self.degradation.failed(exc)
             return FAILED
         finally:
-            CACHE_LATENCY.labels(operation).observe(time.perf_counter() - started)
+            _cache_latency(operation).observe(time.perf_counter() - started)
             # Every admitted call reports, cancelled ones too: a half-open probe that never
             # reported would hold the breaker's only permit and refuse Redis for good. A
             # cancelled call counts as failed because nothing proved Redis healthy.
@@ -124,15 +132,15 @@ class RedisCache:
     async def get(self, key: RecordKey) -> CachedAnswer | None:
         raw = await self._guarded("get", lambda: self._get(cache_key(key)))
         if raw is FAILED:
-            CACHE_LOOKUPS.labels("error").inc()
+            cache_lookups("error").inc()
             return None
         answer = decode(raw, key) if isinstance(raw, bytes) else None
         if raw is not None and answer is None:
             self.degradation.failed(ValueError("unreadable cache entry, ignored"))
         if answer is None or not answer.is_live(self._clock()):
-            CACHE_LOOKUPS.labels("miss").inc()
+            cache_lookups("miss").inc()
             return None
-        CACHE_LOOKUPS.labels("hit").inc()
+        cache_lookups("hit").inc()
         return answer
 
     async def put(self, answer: CachedAnswer) -> bool:

@@ -52,7 +52,7 @@ from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
-from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY
+from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY, Children
 
 # Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
 SWEEP_LOCK_ID = 0x1DE4_9A7E
@@ -226,6 +226,10 @@ _DRIVER_ERRORS = (
 )
 
 
+_store_errors = Children(STORE_ERRORS)
+_store_latency = Children(STORE_LATENCY)
+
+
 @contextmanager
 def store_errors(operation: str) -> Iterator[None]:
     """The one place where driver and pool errors become ``StoreUnavailable``, for every
@@ -235,10 +239,10 @@ def store_errors(operation: str) -> Iterator[None]:
     try:
         yield
     except _DRIVER_ERRORS as exc:
-        STORE_ERRORS.labels(operation).inc()
+        _store_errors(operation).inc()
         raise StoreUnavailable(f"idempotency store error: {type(exc).__name__}") from exc
     finally:
-        STORE_LATENCY.labels(operation).observe(time.perf_counter() - started)
+        _store_latency(operation).observe(time.perf_counter() - started)
 
 
 @asynccontextmanager
