@@ -484,6 +484,32 @@ async def test_an_answer_delimited_by_closing_ends_at_the_close() -> None:
     assert (status, body) == (200, b"part one, part two")
 
 
+async def test_an_answer_delimited_by_closing_cut_by_a_reset_is_a_lost_connection() -> None:
+    head_read = asyncio.Event()
+
+    async def cut(request: Received, reader: asyncio.StreamReader, writer: Writer) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart one, ")
+        await writer.drain()
+        await head_read.wait()
+        reset(writer)
+
+    async with RawUpstream(cut) as upstream, started(upstream.url) as client:
+        response = await client.open(request("POST", body=b"{}"), head_within=5.0)
+        head_read.set()
+        received: list[tuple[bytes, bool]] = []
+
+        async def read() -> None:
+            async for chunk in response.chunks():
+                received.append(chunk)
+
+        # Not the end of the answer: a truncated body must never pass for a whole one.
+        with pytest.raises(UpstreamConnectionLost, match="reset"):
+            await read()
+        response.release()
+
+    assert received == [(b"part one, ", False)]
+
+
 async def test_a_large_answer_streams_through_a_bounded_buffer() -> None:
     size = 32 * 1024 * 1024
     answer_head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size

@@ -190,7 +190,15 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         if self.idle:
             self._on_idle_close(self)
             return
-        if self.head_done and not self.complete and self._delimited_by_close():
+        if (
+            exc is None
+            and self.error is None
+            and self.head_done
+            and not self.complete
+            and self._delimited_by_close()
+        ):
+            # Only an orderly close ends an answer delimited by closing: a reset cuts it
+            # short, and so does an abort of ours after a failure.
             self.complete = True
         else:
             self._fail(connection_lost(self.upstream, str(exc or "closed by the upstream")))
