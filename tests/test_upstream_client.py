@@ -25,7 +25,12 @@ from idempotency_gateway.errors import (
 )
 from idempotency_gateway.proxy.app import upstream_target
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
-from idempotency_gateway.proxy.connection import MAX_HEAD, READ_BUFFER_HIGH, READ_SIZE
+from idempotency_gateway.proxy.connection import (
+    MAX_HEAD,
+    READ_BUFFER_HIGH,
+    READ_SIZE,
+    UpstreamConnection,
+)
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import ResilientUpstream, RetryPlan
 from idempotency_gateway.resilience.breaker import BreakerState
@@ -668,6 +673,35 @@ async def test_an_answer_on_an_idle_connection_closes_it() -> None:
         assert client.pool.idle_connections == 1
         upstream.writers[0].write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
         await upstream.wait_closed(1)
+        assert client.pool.open_connections == 0
+        await fetch(client)
+
+    assert [received.connection for received in upstream.requests] == [1, 2]
+
+
+async def test_a_connection_given_up_on_is_never_handed_out_before_it_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An answer on an idle connection makes the client drop it; the loss is reported a loop
+    iteration later. A request taking the connection in between would be lost unsent and
+    reported as maybe processed: the pool must already refuse it."""
+    handed_out: list[bool] = []
+    original = UpstreamConnection.buffer_updated
+
+    def observed(connection: UpstreamConnection, nbytes: int) -> None:
+        original(connection, nbytes)
+        transport = connection.transport
+        if transport is not None and transport.is_closing() and not handed_out:
+            # Still inside the read callback: connection_lost has not run yet.
+            taken = client.pool.idle_connection(client.pool.loop.time())
+            handed_out.append(taken is not None)
+
+    async with RawUpstream(answering(OK)) as upstream, started(upstream.url) as client:
+        await fetch(client)
+        monkeypatch.setattr(UpstreamConnection, "buffer_updated", observed)
+        upstream.writers[0].write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+        await upstream.wait_closed(1)
+        assert handed_out == [False]
         assert client.pool.open_connections == 0
         await fetch(client)
 
