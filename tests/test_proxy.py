@@ -8,6 +8,7 @@ RFC 9110 hop-by-hop rules, ``Via``, ``X-Forwarded-*`` trust, ``X-Request-Id``,
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -16,8 +17,11 @@ import httpx
 import pytest
 
 from tests.support import RecordingUpstream
+from tests.support.edge import exchange, parse_reply
+from tests.support.edge import request as edge_request
 from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
 from tests.support.problems import assert_problem
+from tests.support.raw_upstream import RawUpstream, Received
 from tests.support.upstream import Execution
 
 GENERATED_REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -306,3 +310,32 @@ async def test_header_values_reach_the_upstream_byte_for_byte(
     assert response.status_code == 200
     (execution,) = upstream.executions
     assert execution.headers["x-customer-name"].encode("utf-8", "surrogateescape") == value
+
+
+@pytest.mark.parametrize("status", [b"304 Not Modified", b"204 No Content"])
+async def test_an_answer_without_content_keeps_the_connection_whatever_its_length_says(
+    postgres_url: str, status: bytes
+) -> None:
+    """A 304 may name the Content-Length of the representation it stands for: the client
+    gets the answer without a body and its connection goes on to the next request."""
+
+    async def answer(request: Received, reader: asyncio.StreamReader, writer: Any) -> None:
+        if request.head.startswith(b"GET /second "):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+        else:
+            writer.write(b"HTTP/1.1 " + status + b'\r\nETag: "v1"\r\nContent-Length: 1234\r\n\r\n')
+
+    async with RawUpstream(answer) as raw, GatewayLauncher() as launcher:
+        gateway = await launcher.start(gateway_config(raw.url), database_url=postgres_url)
+        port = int(gateway.url.rsplit(":", 1)[1])
+        data = await exchange(
+            port,
+            edge_request("GET", "/first", [("If-None-Match", '"v1"')])
+            + edge_request("GET", "/second", [("Connection", "close")]),
+        )
+
+    first, _, rest = data.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 " + status)
+    assert b"content-length" not in first.lower()
+    second = parse_reply(rest)
+    assert (second.status, second.body) == (200, b"second")

@@ -255,3 +255,35 @@ async def test_a_reply_that_came_too_late_is_never_read_as_another_keys_answer(
         assert found.key == second
     finally:
         await cache.close()
+
+
+async def test_redis_dropping_every_client_costs_one_failed_command_not_one_per_idle_connection(
+    node: RedisNode, fresh_key: RecordKey
+) -> None:
+    """A burst leaves connections idle; Redis then drops them all (a restart, CLIENT KILL).
+    The first command finds its connection dead; the next one connects afresh instead of
+    finding the next dead one (behind a half-open breaker that would be the next probe)."""
+    cache = RedisCache(
+        connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
+        timeout=2.0,
+        max_entry_bytes=4096,
+        breaker=CircuitBreaker(
+            "redis-cache", ONE_FAILURE_OPENS.model_copy(update={"min_calls": 100})
+        ),
+    )
+    try:
+        assert await cache.put(answer_for(fresh_key))
+        burst = await asyncio.gather(*(cache.get(fresh_key) for _ in range(8)))
+        assert all(found is not None for found in burst)
+        client = redis.asyncio.Redis.from_url(node.url)
+        try:
+            assert await client.client_kill_filter(_type="normal", skipme=True) >= 8
+        finally:
+            await client.aclose()
+
+        assert await cache.get(fresh_key) is None  # its connection was dropped: a miss
+        found = await cache.get(fresh_key)
+        assert found is not None
+        assert found.key == fresh_key
+    finally:
+        await cache.close()

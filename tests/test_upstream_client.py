@@ -25,7 +25,12 @@ from idempotency_gateway.errors import (
 )
 from idempotency_gateway.proxy.app import upstream_target
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
-from idempotency_gateway.proxy.connection import MAX_HEAD, READ_BUFFER_HIGH, READ_SIZE
+from idempotency_gateway.proxy.connection import (
+    MAX_HEAD,
+    READ_BUFFER_HIGH,
+    READ_SIZE,
+    UpstreamConnection,
+)
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import ResilientUpstream, RetryPlan
 from idempotency_gateway.resilience.breaker import BreakerState
@@ -484,6 +489,32 @@ async def test_an_answer_delimited_by_closing_ends_at_the_close() -> None:
     assert (status, body) == (200, b"part one, part two")
 
 
+async def test_an_answer_delimited_by_closing_cut_by_a_reset_is_a_lost_connection() -> None:
+    head_read = asyncio.Event()
+
+    async def cut(request: Received, reader: asyncio.StreamReader, writer: Writer) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart one, ")
+        await writer.drain()
+        await head_read.wait()
+        reset(writer)
+
+    async with RawUpstream(cut) as upstream, started(upstream.url) as client:
+        response = await client.open(request("POST", body=b"{}"), head_within=5.0)
+        head_read.set()
+        received: list[tuple[bytes, bool]] = []
+
+        async def read() -> None:
+            async for chunk in response.chunks():
+                received.append(chunk)
+
+        # Not the end of the answer: a truncated body must never pass for a whole one.
+        with pytest.raises(UpstreamConnectionLost, match="reset"):
+            await read()
+        response.release()
+
+    assert received == [(b"part one, ", False)]
+
+
 async def test_a_large_answer_streams_through_a_bounded_buffer() -> None:
     size = 32 * 1024 * 1024
     answer_head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size
@@ -642,6 +673,35 @@ async def test_an_answer_on_an_idle_connection_closes_it() -> None:
         assert client.pool.idle_connections == 1
         upstream.writers[0].write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
         await upstream.wait_closed(1)
+        assert client.pool.open_connections == 0
+        await fetch(client)
+
+    assert [received.connection for received in upstream.requests] == [1, 2]
+
+
+async def test_a_connection_given_up_on_is_never_handed_out_before_it_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An answer on an idle connection makes the client drop it; the loss is reported a loop
+    iteration later. A request taking the connection in between would be lost unsent and
+    reported as maybe processed: the pool must already refuse it."""
+    handed_out: list[bool] = []
+    original = UpstreamConnection.buffer_updated
+
+    def observed(connection: UpstreamConnection, nbytes: int) -> None:
+        original(connection, nbytes)
+        transport = connection.transport
+        if transport is not None and transport.is_closing() and not handed_out:
+            # Still inside the read callback: connection_lost has not run yet.
+            taken = client.pool.idle_connection(client.pool.loop.time())
+            handed_out.append(taken is not None)
+
+    async with RawUpstream(answering(OK)) as upstream, started(upstream.url) as client:
+        await fetch(client)
+        monkeypatch.setattr(UpstreamConnection, "buffer_updated", observed)
+        upstream.writers[0].write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+        await upstream.wait_closed(1)
+        assert handed_out == [False]
         assert client.pool.open_connections == 0
         await fetch(client)
 

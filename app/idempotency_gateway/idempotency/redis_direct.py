@@ -10,7 +10,9 @@ apply, redis-py connects them) and keeps the idle ones itself.
 
 A connection goes back to the idle list only after every reply of its commands was read.
 Any failure or cancellation closes it, so a reply can never be read as the answer to a later
-command. (``cache.decode`` also checks that an entry names the key it was asked for.)
+command, and closes the idle ones too, so a Redis that restarted costs one failure, not one
+per connection the busiest moment left idle. (``cache.decode`` also checks that an entry
+names the key it was asked for.)
 A Redis Cluster keeps the full client, which routes by slot.
 """
 
@@ -44,8 +46,14 @@ class DirectCommands:
             await connection.send_packed_command(packed, check_health=False)
             replies = [await connection.read_response() for _ in commands]
         except BaseException:
-            with contextlib.suppress(Exception):
-                await connection.disconnect(nowait=True)
+            # The idle ones were opened before this failure and most likely share its cause
+            # (Redis restarted, killed its clients, or a network path broke): each would cost
+            # a later command a failure of its own, and a half-open breaker's probe the whole
+            # probe. They go too; the next command connects afresh.
+            idle, self._idle = self._idle, []
+            for dropped in (connection, *idle):
+                with contextlib.suppress(Exception):
+                    await dropped.disconnect(nowait=True)
             raise
         self._idle.append(connection)
         return replies

@@ -171,12 +171,12 @@ class UpstreamConnection(asyncio.BufferedProtocol):
             pass  # a 101: the head is done and the connection is never reused
         except httptools.HttpParserError as exc:
             self._fail(connection_lost(self.upstream, f"invalid HTTP: {exc}"))
-            cast(asyncio.Transport, self.transport).abort()
+            self._abort()
         if not self.head_done:
             self._head_bytes += nbytes
             if self._head_bytes > MAX_HEAD:
                 self._fail(connection_lost(self.upstream, f"a head over {MAX_HEAD} bytes"))
-                cast(asyncio.Transport, self.transport).abort()
+                self._abort()
         if self.head_done or self.error is not None:
             self._wake()
 
@@ -190,7 +190,15 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         if self.idle:
             self._on_idle_close(self)
             return
-        if self.head_done and not self.complete and self._delimited_by_close():
+        if (
+            exc is None
+            and self.error is None
+            and self.head_done
+            and not self.complete
+            and self._delimited_by_close()
+        ):
+            # Only an orderly close ends an answer delimited by closing: a reset cuts it
+            # short, and so does an abort of ours after a failure.
             self.complete = True
         else:
             self._fail(connection_lost(self.upstream, str(exc or "closed by the upstream")))
@@ -281,9 +289,17 @@ class UpstreamConnection(asyncio.BufferedProtocol):
             return
         self._deadline = None
         self._fail(timed_out(self.upstream, self._deadline_what))
+        self._abort()
+        self._wake()
+
+    def _abort(self) -> None:
+        """Drop the connection at once. ``closed`` is set here rather than when
+        ``connection_lost`` follows (a loop iteration later): until then the pool would still
+        hand it out, and a request written to it would be lost unsent yet reported as maybe
+        processed."""
+        self.closed = True
         if self.transport is not None:
             self.transport.abort()
-        self._wake()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
