@@ -126,6 +126,21 @@ ONE_FAILURE_OPENS = BreakerConfig(
 )
 
 
+def cache_that_stays_closed(
+    node: RedisNode, *, timeout: float, socket_timeout: float | None
+) -> RedisCache:
+    """A cache whose breaker stays closed through the few failures a test provokes, so each
+    command really reaches Redis."""
+    return RedisCache(
+        connect_redis(node.url, timeout=socket_timeout, connect_timeout=2.0),
+        timeout=timeout,
+        max_entry_bytes=4096,
+        breaker=CircuitBreaker(
+            "redis-cache", ONE_FAILURE_OPENS.model_copy(update={"min_calls": 100})
+        ),
+    )
+
+
 @contextlib.asynccontextmanager
 async def half_open_cache(
     node: RedisNode, key: RecordKey, *, command_timeout: float
@@ -233,14 +248,7 @@ async def test_a_reply_that_came_too_late_is_never_read_as_another_keys_answer(
     it was sent on must not serve the next GET, or that GET would read the late reply."""
     first = RecordKey("scope-round-trips", "POST /v1/charges", unique("late-first"))
     second = RecordKey("scope-round-trips", "POST /v1/charges", unique("late-second"))
-    cache = RedisCache(
-        connect_redis(node.url, timeout=None, connect_timeout=2.0),
-        timeout=0.2,
-        max_entry_bytes=4096,
-        breaker=CircuitBreaker(
-            "redis-cache", ONE_FAILURE_OPENS.model_copy(update={"min_calls": 100})
-        ),
-    )
+    cache = cache_that_stays_closed(node, timeout=0.2, socket_timeout=None)
     try:
         assert await cache.put(answer_for(first))
         assert await cache.put(answer_for(second))
@@ -263,14 +271,7 @@ async def test_redis_dropping_every_client_costs_one_failed_command_not_one_per_
     """A burst leaves connections idle; Redis then drops them all (a restart, CLIENT KILL).
     The first command finds its connection dead; the next one connects afresh instead of
     finding the next dead one (behind a half-open breaker that would be the next probe)."""
-    cache = RedisCache(
-        connect_redis(node.url, timeout=2.0, connect_timeout=2.0),
-        timeout=2.0,
-        max_entry_bytes=4096,
-        breaker=CircuitBreaker(
-            "redis-cache", ONE_FAILURE_OPENS.model_copy(update={"min_calls": 100})
-        ),
-    )
+    cache = cache_that_stays_closed(node, timeout=2.0, socket_timeout=2.0)
     try:
         assert await cache.put(answer_for(fresh_key))
         burst = await asyncio.gather(*(cache.get(fresh_key) for _ in range(8)))
