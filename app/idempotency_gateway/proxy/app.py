@@ -36,9 +36,6 @@ from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.target import RequestTarget, target_of
 from idempotency_gateway.telemetry.request_log import request_log_of
 
-# Answers that never have a body, whatever their fields say (RFC 9110 sections 15.3.5, 15.4.5).
-_WITHOUT_CONTENT = frozenset({204, 304})
-
 
 class ResponseCutShort(Exception):
     """The upstream's answer broke off mid-body; the server closes the client's connection."""
@@ -163,12 +160,9 @@ class ProxyApp:
 
     @staticmethod
     async def _stream_back(scope: Scope, response: UpstreamResponse, send: Send) -> None:
-        headers = client_response_headers(response.headers, scope.get("http_version", "1.1"))
-        if response.status in _WITHOUT_CONTENT:
-            # A 304 may carry the Content-Length of the representation it stands for (RFC
-            # 9110 section 8.6), but the server holds an answer to that field's length and,
-            # with no body to send, breaks the connection (the next pipelined request too).
-            headers = [(name, value) for name, value in headers if name != b"content-length"]
+        headers = client_response_headers(
+            response.headers, scope.get("http_version", "1.1"), status=response.status
+        )
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         last = False
         async for chunk, last in response.chunks():

@@ -137,16 +137,27 @@ def upstream_request_headers(
 _NOT_RELAYED = HOP_BY_HOP | {b"date", b"via"}
 
 
-def client_response_headers(raw: Headers, http_version: str) -> Headers:
+# Answers that never have a body, whatever their fields say (RFC 9110 sections 15.3.5, 15.4.5).
+_WITHOUT_CONTENT = frozenset({204, 304})
+
+
+def client_response_headers(raw: Headers, http_version: str, *, status: int) -> Headers:
     """The upstream's answer as the client gets it: end-to-end fields plus ``Via``, in one
-    pass over the upstream's fields."""
+    pass over the upstream's fields.
+
+    A 304 may carry the Content-Length of the representation it stands for (RFC 9110 section
+    8.6), but the server holds an answer to that field's length and, with no body to send,
+    would break the connection (the next pipelined request too): a 204 or 304 goes without it.
+    """
     kept: Headers = []
     via: bytes | None = None
     named: set[bytes] = set()
+    without_length = status in _WITHOUT_CONTENT
     for name, value in raw:
         name = name.lower()
         if name not in _NOT_RELAYED:
-            kept.append((name, value))
+            if not (without_length and name == b"content-length"):
+                kept.append((name, value))
         elif name == b"connection":
             named |= _connection_tokens(value)
         elif name == b"via" and via is None:
