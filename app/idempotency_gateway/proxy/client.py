@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from idempotency_gateway.asgi import Headers
+from idempotency_gateway.asgi import Headers, first_header
 from idempotency_gateway.config import UpstreamConfig
 from idempotency_gateway.errors import (
     UpstreamInvalidResponse,
@@ -61,11 +61,8 @@ class UpstreamResponse:
         """Lower-cased names, values as received."""
 
     def header(self, name: str) -> str | None:
-        wanted = name.lower().encode("latin-1")
-        for field, value in self.headers:
-            if field == wanted:
-                return value.decode("latin-1")
-        return None
+        value = first_header(self.headers, name.lower().encode("latin-1"))
+        return None if value is None else value.decode("latin-1")
 
     @property
     def buffered(self) -> int:
