@@ -132,47 +132,43 @@ async def cancel_on_disconnect(scope: Scope, receive: Receive, work: Coroutine[A
     """
     task = asyncio.current_task()
     assert task is not None, "cancel_on_disconnect runs inside a task"
-    signal = _disconnect_signal(scope, receive)
-    if signal is not None:
-        return await _cancel_by_signal(signal, task, work)
-    watcher = asyncio.ensure_future(_cancel_at_disconnect(receive, task))
+    disconnected, stop_watching = _watch_disconnect(scope, receive, task)
     try:
         result = await work
     except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled() and task.uncancel() == 0:
-            # The watcher's cancellation, and nobody else's pending: the client is gone.
+        if disconnected() and task.uncancel() == 0:
+            # The disconnect's cancellation, and nobody else's pending: the client is gone.
             raise ClientDisconnected from None
         raise
     finally:
-        if not watcher.done():
-            watcher.cancel()
-    if watcher.done() and not watcher.cancelled():
-        # The work absorbed the watcher's cancellation and finished: withdraw the request,
+        stop_watching()
+    if disconnected():
+        # The work absorbed the disconnect's cancellation and finished: withdraw the request,
         # so a later ``asyncio.timeout`` in this task still tells its own expiry apart.
         task.uncancel()
     return result
 
 
-async def _cancel_by_signal(
-    signal: DisconnectSignal, task: asyncio.Task[Any], work: Coroutine[Any, Any, T]
-) -> T:
-    disconnected = False
+def _watch_disconnect(
+    scope: Scope, receive: Receive, task: asyncio.Task[Any]
+) -> tuple[Callable[[], bool], Callable[[], None]]:
+    """Cancel ``task`` at the client's disconnect; returns whether that happened, and how to
+    stop watching."""
+    signal = _disconnect_signal(scope, receive)
+    if signal is not None:
+        seen = False
 
-    def on_disconnect() -> None:
-        nonlocal disconnected
-        disconnected = True
-        task.cancel()
+        def on_disconnect() -> None:
+            nonlocal seen
+            seen = True
+            task.cancel()
 
-    signal.add(on_disconnect)
-    try:
-        result = await work
-    except asyncio.CancelledError:
-        if disconnected and task.uncancel() == 0:
-            raise ClientDisconnected from None
-        raise
-    finally:
-        signal.discard(on_disconnect)
-    if disconnected:
-        # As above: the work absorbed the cancellation; withdraw it.
-        task.uncancel()
-    return result
+        signal.add(on_disconnect)
+        return (lambda: seen), (lambda: signal.discard(on_disconnect))
+    watcher = asyncio.ensure_future(_cancel_at_disconnect(receive, task))
+
+    def stop() -> None:
+        if not watcher.done():
+            watcher.cancel()
+
+    return (lambda: watcher.done() and not watcher.cancelled()), stop
