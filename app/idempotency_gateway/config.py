@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -379,6 +380,27 @@ class GatewayConfig(_Model):
         return self
 
 
+# The URL schemes each store accepts; anything else would start and then fail in every worker.
+DATABASE_SCHEMES: Final = (
+    "postgresql",
+    "postgres",
+    "postgresql+asyncpg",
+    "sqlite",
+    "sqlite+aiosqlite",
+)
+REDIS_SCHEMES: Final = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+def _url_with_scheme(value: str | None, schemes: tuple[str, ...], what: str) -> str | None:
+    if value is None:
+        return None
+    scheme, separator, rest = value.partition("://")
+    if not separator or scheme.lower() not in schemes or not rest:
+        known = ", ".join(f"{name}://" for name in schemes)
+        raise ValueError(f"not {what} URL: it must start with one of {known}")
+    return value
+
+
 class EnvSettings(BaseSettings):
     """Secrets and addresses that belong in the environment, not in the YAML file."""
 
@@ -392,6 +414,16 @@ class EnvSettings(BaseSettings):
     config: Path | None = None
     admin_port: int = Field(8081, ge=0, le=65535)
 
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        return _url_with_scheme(value, DATABASE_SCHEMES, "a PostgreSQL or SQLite")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        return _url_with_scheme(value, REDIS_SCHEMES, "a Redis")
+
 
 class ConfigError(Exception):
     """A configuration that cannot be used; ``errors`` name each bad field."""
@@ -402,15 +434,32 @@ class ConfigError(Exception):
         self.errors = errors
 
 
+def _message(error: ErrorDetails) -> str:
+    # pydantic words a validator's ValueError as "Value error, <ours>"; ours says it all.
+    return error["msg"].removeprefix("Value error, ")
+
+
 def _field_path(location: tuple[int | str, ...]) -> str:
     return ".".join(str(part) for part in location) or "(top level)"
+
+
+def environment_settings() -> EnvSettings:
+    """The ``GATEWAY_*`` settings, or a ``ConfigError`` naming every variable that is wrong:
+    checked once, before anything starts, so a bad value is one clear error, not workers that
+    crash in a loop."""
+    try:
+        return EnvSettings()
+    except ValidationError as exc:
+        prefix = EnvSettings.model_config.get("env_prefix", "")
+        errors = [f"{prefix}{str(err['loc'][0]).upper()}: {_message(err)}" for err in exc.errors()]
+        raise ConfigError("the environment", errors) from None
 
 
 def validate_config(data: object, *, source: str) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
-        errors = [f"{_field_path(err['loc'])}: {err['msg']}" for err in exc.errors()]
+        errors = [f"{_field_path(err['loc'])}: {_message(err)}" for err in exc.errors()]
         raise ConfigError(source, errors) from None
 
 
