@@ -8,6 +8,7 @@ silently ignored setting. Durations are written ``250ms``, ``30s``, ``5m``, ``24
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Iterable
 from decimal import Decimal
 from enum import StrEnum
 from ipaddress import IPv4Network, IPv6Network, ip_network
@@ -16,6 +17,7 @@ from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AnyHttpUrl,
     BaseModel,
     BeforeValidator,
@@ -97,6 +99,34 @@ Duration = Annotated[
     float, BeforeValidator(parse_duration), PlainSerializer(_format_duration, return_type=str)
 ]
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+# RFC 9110 section 5.1: a field name is a token; anything else (a space, a colon) can never
+# match a header a client sends, so such a setting would silently do nothing.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _header_name(value: str) -> str:
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(f"{value!r} is not a header field name (RFC 9110 section 5.1)")
+    return value
+
+
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+# Lower-case, as the ASGI scope carries names; defaults are written lower-case too, since
+# defaults are not validated and a printed config must load back equal.
+LowerHeaderName = Annotated[HeaderName, AfterValidator(str.lower)]
+
+# The methods a route may record: the unsafe methods RFC 9110 and RFC 5789 define. A safe
+# method (GET, HEAD, OPTIONS, TRACE) changes nothing, so there is nothing to deduplicate.
+RECORDABLE_METHODS: Final = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _recordable_methods(value: frozenset[str]) -> frozenset[str]:
+    unknown = sorted(value - RECORDABLE_METHODS)
+    if unknown:
+        allowed = ", ".join(sorted(RECORDABLE_METHODS))
+        raise ValueError(f"cannot record {', '.join(unknown)}: methods must be among {allowed}")
+    return value
 
 
 class _Model(BaseModel):
@@ -234,7 +264,7 @@ class IdempotencyConfig(_Model):
     wait_max: Duration = 10.0
     max_stored_body: ByteSize = 1024 * 1024
     operation: str | None = Field(None, min_length=1, max_length=200)
-    fingerprint_headers: tuple[str, ...] = ()
+    fingerprint_headers: tuple[LowerHeaderName, ...] = ()
     outcomes: OutcomeConfig = OutcomeConfig()
     # How the gateway's own errors look on this route: RFC 9457 problems, or the body
     # Stripe's SDKs parse (for routes in front of a Stripe-compatible API).
@@ -247,10 +277,10 @@ class IdempotencyConfig(_Model):
             return frozenset(str(method).upper() for method in value)
         return value
 
-    @field_validator("fingerprint_headers")
+    @field_validator("methods")
     @classmethod
-    def _lower_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(name.lower() for name in value)
+    def _known_methods(cls, value: frozenset[str]) -> frozenset[str]:
+        return _recordable_methods(value)
 
     @model_validator(mode="after")
     def _sane_times(self) -> IdempotencyConfig:
@@ -273,14 +303,9 @@ class RouteConfig(_Model):
 
 
 class ScopeConfig(_Model):
-    # Lower-case like the validator's output: defaults are not validated, and a printed
-    # config must load back equal.
-    headers: tuple[str, ...] = ("authorization",)
-
-    @field_validator("headers")
-    @classmethod
-    def _lower_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(name.lower() for name in value)
+    # At least one: a scope of no headers would put every client in one scope, where anyone
+    # who guesses a key and body shares its answer.
+    headers: tuple[LowerHeaderName, ...] = Field(("authorization",), min_length=1)
 
 
 class LimitsConfig(_Model):
@@ -361,23 +386,38 @@ class GatewayConfig(_Model):
     sweeper: SweeperConfig = SweeperConfig()
     lifecycle: LifecycleConfig = LifecycleConfig()
     store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE
-    idempotency_header: str = DEFAULT_IDEMPOTENCY_HEADER
+    idempotency_header: HeaderName = DEFAULT_IDEMPOTENCY_HEADER
     trusted_proxies: tuple[IpNetwork, ...] = ()
 
     @model_validator(mode="after")
     def _routes_name_known_upstreams(self) -> GatewayConfig:
-        names: set[str] = set()
-        for route in self.routes:
-            if route.upstream not in self.upstreams:
-                known = ", ".join(sorted(self.upstreams))
-                raise ValueError(
-                    f"route {route.name!r} names upstream {route.upstream!r}, "
-                    f"which is not defined (defined: {known})"
-                )
-            if route.name in names:
-                raise ValueError(f"route name {route.name!r} is used twice")
-            names.add(route.name)
+        errors = route_reference_errors(
+            [(route.name, route.upstream) for route in self.routes], self.upstreams
+        )
+        if errors:
+            raise ValueError("; ".join(errors))
         return self
+
+
+def route_reference_errors(
+    routes: Iterable[tuple[object, object]], upstreams: Collection[object]
+) -> list[str]:
+    """What is wrong with the routes' names and the upstreams they name, given as
+    ``(name, upstream)`` pairs: checked on raw data too, so one run of check-config reports
+    these beside every field error instead of after they are fixed."""
+    errors: list[str] = []
+    seen: set[object] = set()
+    known = ", ".join(sorted(str(name) for name in upstreams))
+    for name, upstream in routes:
+        if upstream not in upstreams:
+            errors.append(
+                f"route {name!r} names upstream {upstream!r}, "
+                f"which is not defined (defined: {known})"
+            )
+        if name in seen:
+            errors.append(f"route name {name!r} is used twice")
+        seen.add(name)
+    return errors
 
 
 # The URL schemes each store accepts; anything else would start and then fail in every worker.
@@ -459,8 +499,43 @@ def validate_config(data: object, *, source: str) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
-        errors = [f"{_field_path(err['loc'])}: {_message(err)}" for err in exc.errors()]
+        errors = [
+            f"{_field_path(err['loc'])}: {_message(err)}"
+            for err in exc.errors()
+            # Reported below from the raw data, with the field errors, in one round.
+            if err["loc"] or err["type"] != "value_error"
+        ]
+        errors.extend(_raw_route_reference_errors(data))
         raise ConfigError(source, errors) from None
+
+
+def _raw_route_reference_errors(data: object) -> list[str]:
+    if not isinstance(data, dict):
+        return []
+    routes, upstreams = data.get("routes"), data.get("upstreams")
+    # No upstreams at all is its own error already; naming each route beside it adds nothing.
+    if not isinstance(routes, list) or not isinstance(upstreams, dict) or not upstreams:
+        return []
+    pairs = [
+        (route.get("name"), route.get("upstream")) for route in routes if isinstance(route, dict)
+    ]
+    return route_reference_errors(pairs, upstreams)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key written twice in one mapping is an error: the
+    plain loader keeps the last one silently, so half a route's settings would vanish."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: Path) -> GatewayConfig:
@@ -469,7 +544,7 @@ def load_config(path: Path) -> GatewayConfig:
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read the file: {exc.strerror}"]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):
