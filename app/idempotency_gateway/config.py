@@ -320,14 +320,21 @@ class LimitsConfig(_Model):
     request_head_timeout: Duration = 10.0
     # From the end of the head until the last byte of the body.
     request_body_timeout: Duration = 60.0
+    # How long an idle client connection stays open for its next request. Longer than the idle
+    # timeout of the balancers commonly in front (AWS ALB, nginx: 60 s) so that the balancer,
+    # not the gateway, closes an idle connection: when the gateway closes first, a request the
+    # balancer sends on that connection at the same moment is lost and answered with a 502.
+    keepalive_timeout: Duration = 75.0
     # Per worker process, both listeners together; beyond it a connection gets a 503 problem
     # and is closed at once.
     max_connections: int = Field(1000, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
     def _positive_timeouts(self) -> LimitsConfig:
-        if min(self.request_head_timeout, self.request_body_timeout) <= 0:
-            raise ValueError("request_head_timeout and request_body_timeout must be above zero")
+        if min(self.request_head_timeout, self.request_body_timeout, self.keepalive_timeout) <= 0:
+            raise ValueError(
+                "request_head_timeout, request_body_timeout and keepalive_timeout must be above 0"
+            )
         return self
 
 
