@@ -232,16 +232,51 @@ class BreakerConfig(_Model):
     )
 
 
+class BulkheadConfig(_Model):
+    """A bulkhead, per worker process: at most ``max_concurrent`` requests at once, up to
+    ``max_queued`` more waiting in arrival order for at most ``queue_timeout``; anything
+    beyond is refused at once with a 503 ``capacity-exhausted`` problem."""
+
+    max_concurrent: int = Field(ge=1, le=100_000)
+    max_queued: int = Field(0, ge=0, le=100_000)
+    queue_timeout: Duration = 0.1
+
+    @model_validator(mode="after")
+    def _queue_has_a_timeout(self) -> BulkheadConfig:
+        if self.max_queued and self.queue_timeout <= 0:
+            raise ValueError("queue_timeout must be above zero when max_queued is")
+        return self
+
+
 class UpstreamConfig(_Model):
     url: AnyHttpUrl
     timeouts: TimeoutsConfig = TimeoutsConfig()
     pool: PoolConfig = PoolConfig()
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
+    # Every request to this upstream, whatever its route, and every retry (``RetrySlot``).
+    bulkhead: BulkheadConfig | None = None
+
+    @model_validator(mode="after")
+    def _queue_shorter_than_deadline(self) -> UpstreamConfig:
+        _refuse_queue_past_deadline(self.bulkhead, self.timeouts, "bulkhead")
+        return self
 
     @property
     def base_url(self) -> str:
         return str(self.url).rstrip("/")
+
+
+def _refuse_queue_past_deadline(
+    bulkhead: BulkheadConfig | None, timeouts: TimeoutsConfig, where: str
+) -> None:
+    # A request that may wait in the queue for its whole deadline is refused at the deadline
+    # instead of at once: exactly what a bulkhead is there to prevent.
+    if bulkhead is not None and bulkhead.max_queued and bulkhead.queue_timeout >= timeouts.total:
+        raise ValueError(
+            f"{where}: queue_timeout ({bulkhead.queue_timeout}s) must be shorter than the "
+            f"upstream's timeouts.total ({timeouts.total}s)"
+        )
 
 
 class OutcomeConfig(_Model):
@@ -300,6 +335,8 @@ class RouteConfig(_Model):
     match: RouteMatch
     upstream: str
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    # The name of a tier in ``bulkheads``: every route naming it shares its capacity.
+    bulkhead: str | None = None
 
 
 class ScopeConfig(_Model):
@@ -395,6 +432,8 @@ class GatewayConfig(_Model):
     store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE
     idempotency_header: HeaderName = DEFAULT_IDEMPOTENCY_HEADER
     trusted_proxies: tuple[IpNetwork, ...] = ()
+    # Route tiers (``critical``, ``optional``, ...): named bulkheads that routes opt into.
+    bulkheads: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], BulkheadConfig] = {}
 
     @model_validator(mode="after")
     def _routes_name_known_upstreams(self) -> GatewayConfig:
@@ -403,6 +442,24 @@ class GatewayConfig(_Model):
         )
         if errors:
             raise ValueError("; ".join(errors))
+        return self
+
+    @model_validator(mode="after")
+    def _routes_name_known_bulkheads(self) -> GatewayConfig:
+        known = ", ".join(sorted(self.bulkheads)) or "none"
+        for route in self.routes:
+            if route.bulkhead is None:
+                continue
+            if route.bulkhead not in self.bulkheads:
+                raise ValueError(
+                    f"route {route.name!r} names bulkhead {route.bulkhead!r}, "
+                    f"which is not defined (defined: {known})"
+                )
+            _refuse_queue_past_deadline(
+                self.bulkheads[route.bulkhead],
+                self.upstreams[route.upstream].timeouts,
+                f"route {route.name!r}, bulkhead {route.bulkhead!r}",
+            )
         return self
 
 

@@ -22,6 +22,7 @@ translated into this tree in one place each: ``proxy`` (its client, connection a
     │   └── TunnelRefused                 400, CONNECT (authority-form): the gateway is no tunnel
     ├── UnexpectedError                 a bug in the gateway (500), never a plain-text page
     ├── TooManyConnections              the worker's connection cap is reached (503)
+    ├── CapacityExhausted               a bulkhead is full: refused before anything ran (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
@@ -161,6 +162,18 @@ class TooManyConnections(GatewayError):
     status = 503
     slug = "too-many-connections"
     title = "Too many open connections"
+    retryable = True
+    retry_after = 1
+
+
+class CapacityExhausted(GatewayError):
+    """A route tier's or an upstream's bulkhead had no slot and no room (or time) in its
+    queue. Refused before the record is reserved and before anything is sent, so a retry
+    with the same key is as safe as the first try."""
+
+    status = 503
+    slug = "capacity-exhausted"
+    title = "Gateway capacity for this request is exhausted"
     retryable = True
     retry_after = 1
 

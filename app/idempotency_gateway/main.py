@@ -2,6 +2,7 @@
 
     proxy port:  AccessLogMiddleware (request id, log line, metrics)
                    -> RouteRequests (canonical target and its route, once)
+                   -> BulkheadMiddleware (route tier and upstream slots, or a 503 at once)
                    -> IdempotencyMiddleware -> ProxyApp -> upstreams
     admin port:  the admin FastAPI app (health, readiness, metrics, operator API)
 
@@ -47,6 +48,7 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.resilience.breaker import BreakerState
+from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
 from idempotency_gateway.routing import RouteRequests
 from idempotency_gateway.server.heap import settle_after_startup
 from idempotency_gateway.telemetry.metrics import (
@@ -91,9 +93,10 @@ class Gateway:
     lifespan (store, upstream clients, wake-ups and background loops start and stop here).
 
     ``create_gateway`` is this class. Requests on ``admin_port`` go to the admin app, every
-    other request to ``AccessLogMiddleware -> RouteRequests -> IdempotencyMiddleware ->
-    ProxyApp``. Shutdown waits up to ``DRAIN_TIMEOUT`` for executions in flight to record
-    their outcome before it closes anything.
+    other request to ``AccessLogMiddleware -> RouteRequests -> BulkheadMiddleware ->
+    IdempotencyMiddleware -> ProxyApp`` (no ``BulkheadMiddleware`` when the config has no
+    bulkhead). Shutdown waits up to ``DRAIN_TIMEOUT`` for executions in flight to record their
+    outcome before it closes anything.
 
     Arguments:
         config: the validated config file (``load_config``/``validate_config``).
@@ -159,7 +162,20 @@ class Gateway:
             store_unavailable=config.store_unavailable,
             finalize_attempts=config.store.finalize_attempts,
         )
-        self.app = AccessLogMiddleware(RouteRequests(self.idempotency, config.routes))
+        bulkheads = route_bulkheads(
+            config.routes,
+            config.bulkheads,
+            {name: upstream.bulkhead for name, upstream in self.upstreams.items()},
+        )
+        self.app = AccessLogMiddleware(
+            RouteRequests(
+                BulkheadMiddleware(self.idempotency, bulkheads=bulkheads)
+                if bulkheads
+                # Nothing to bound: the layer would only cost a lookup per request.
+                else self.idempotency,
+                config.routes,
+            )
+        )
         self.admin = create_admin_app(
             AdminContext(
                 store=self.store,

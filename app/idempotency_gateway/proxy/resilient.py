@@ -6,7 +6,8 @@ safe or idempotent method, or protected by an idempotency key that is forwarded 
 Ambiguous failures (timeouts, lost connections, 502/504) are retried only where the route
 says ``on_ambiguous: retry`` (the upstream dedupes on the key) or the method is safe.
 Every attempt and every pause stays inside the request's deadline, and retries spend the
-upstream's retry budget. Each decision is logged with its reason.
+upstream's retry budget and need a free slot of its bulkhead. Each decision is logged with
+its reason.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
 from idempotency_gateway.resilience.breaker import CircuitBreaker, TransitionListener
 from idempotency_gateway.resilience.budget import RetryBudget
+from idempotency_gateway.resilience.bulkhead import Bulkhead, BulkheadKind, RetrySlot
 from idempotency_gateway.telemetry.metrics import (
     RETRY_BUDGET_EXHAUSTED,
     UPSTREAM_ATTEMPT_DURATION,
@@ -107,6 +109,12 @@ class ResilientUpstream:
         self.breaker = CircuitBreaker(
             client.name, config.breaker, clock=clock, on_transition=on_breaker_transition
         )
+        # Taken by the bulkhead layer for each request; here only by retries (``RetrySlot``).
+        self.bulkhead = (
+            Bulkhead(BulkheadKind.UPSTREAM, client.name, config.bulkhead)
+            if config.bulkhead is not None
+            else None
+        )
         self.budget = RetryBudget(
             ratio=config.retry.budget.ratio,
             min_per_second=config.retry.budget.min_per_second,
@@ -130,6 +138,19 @@ class ResilientUpstream:
     ) -> UpstreamResponse:
         """The response to stream back (the caller releases it), or the last failure."""
         self.budget.record_request()
+        with RetrySlot(self.bulkhead) as retry_slot:
+            return await self._attempts_until_answer(
+                make_request, deadline, plan, request_log, retry_slot
+            )
+
+    async def _attempts_until_answer(
+        self,
+        make_request: RequestFactory,
+        deadline: Deadline,
+        plan: RetryPlan,
+        request_log: RequestLog | None,
+        retry_slot: RetrySlot,
+    ) -> UpstreamResponse:
         attempt = 0
         while True:
             attempt += 1
@@ -158,7 +179,9 @@ class ResilientUpstream:
                     self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
                     reason = self._why_not_retry_error(error, plan)
                     if reason is None:
-                        reason = await self._pause_before_retry(attempt, None, deadline, str(error))
+                        reason = await self._pause_before_retry(
+                            attempt, None, deadline, retry_slot, str(error)
+                        )
                     if reason is not None:
                         self._log_final(attempt, type(error).__name__, reason)
                         raise
@@ -169,7 +192,12 @@ class ResilientUpstream:
             if reason is None:
                 retry_after = parse_retry_after(response.header("retry-after"))
                 reason = await self._pause_before_retry(
-                    attempt, retry_after, deadline, f"status {response.status}", response
+                    attempt,
+                    retry_after,
+                    deadline,
+                    retry_slot,
+                    f"status {response.status}",
+                    response,
                 )
             if reason is not None:
                 # Plain answers (2xx, 404) need no explanation; a retryable status that was
@@ -208,6 +236,7 @@ class ResilientUpstream:
         attempt: int,
         retry_after: float | None,
         deadline: Deadline,
+        retry_slot: RetrySlot,
         cause: str,
         response: UpstreamResponse | None = None,
     ) -> str | None:
@@ -223,6 +252,8 @@ class ResilientUpstream:
         )
         if delay + MIN_ATTEMPT_TIME >= deadline.remaining():
             return f"a pause of {delay:.3f}s would not leave time for another attempt"
+        if not retry_slot.take():
+            return "the upstream's bulkhead has no free slot for a retry"
         if not self.budget.try_withdraw():
             RETRY_BUDGET_EXHAUSTED.labels(self.name).inc()
             return "the retry budget is exhausted"

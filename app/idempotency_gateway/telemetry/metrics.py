@@ -100,6 +100,39 @@ BREAKER_TRANSITIONS = Counter(
     "Circuit breaker state changes",
     ["upstream", "from_state", "to_state"],
 )
+# Bulkheads: ``kind`` is ``tier`` (a route tier of the config's ``bulkheads``) or ``upstream``;
+# ``name`` is the tier's or the upstream's name. Each worker has its own bulkheads, so the
+# gauges (limits included) add up over live workers.
+BULKHEAD_IN_FLIGHT = Gauge(
+    PREFIX + "bulkhead_in_flight",
+    "Requests holding a slot of a bulkhead (retries included), summed over live workers",
+    ["kind", "name"],
+    multiprocess_mode="livesum",
+)
+BULKHEAD_QUEUED = Gauge(
+    PREFIX + "bulkhead_queued",
+    "Requests waiting in a bulkhead's queue for a slot, summed over live workers",
+    ["kind", "name"],
+    multiprocess_mode="livesum",
+)
+BULKHEAD_LIMIT = Gauge(
+    PREFIX + "bulkhead_max_concurrent",
+    "A bulkhead's max_concurrent, summed over live workers (the capacity in_flight fills)",
+    ["kind", "name"],
+    multiprocess_mode="livesum",
+)
+BULKHEAD_REFUSALS = Counter(
+    PREFIX + "bulkhead_refusals_total",
+    "Requests refused with capacity-exhausted (queue_full, queue_timeout) and retries not "
+    "made (retry_no_slot), by bulkhead",
+    ["kind", "name", "reason"],
+)
+BULKHEAD_QUEUE_WAIT = Histogram(
+    PREFIX + "bulkhead_queue_wait_seconds",
+    "Time a request waited in a bulkhead's queue (only requests that had to wait)",
+    ["kind", "name"],
+    buckets=_REQUEST_BUCKETS,
+)
 STORE_LATENCY = Histogram(
     PREFIX + "store_latency_seconds",
     "Durable store statement latency by operation",
