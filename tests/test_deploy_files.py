@@ -759,6 +759,8 @@ def test_alert_rules_are_complete_and_uniquely_named() -> None:
         'requests_total{outcome="replayed"}',
         "retry_budget_exhausted_total",
         "upstream_attempts_total",
+        "bulkhead_in_flight",
+        "bulkhead_refusals_total",
     ):
         assert idempotency_gateway.telemetry.metrics.PREFIX + metric in covered, metric
 
