@@ -54,11 +54,13 @@ async def test_free_slots_are_taken_without_queueing_and_given_back() -> None:
         await limit.acquire()
 
     assert (limit.in_flight, limit.queued) == (3, 0)
+    limit.publish()
     assert gauge("in_flight", "free-slots") == 3
     assert gauge("max_concurrent", "free-slots") == 3
     for _ in range(3):
         limit.release()
     assert limit.in_flight == 0
+    limit.publish()
     assert gauge("in_flight", "free-slots") == 0
 
 
@@ -89,6 +91,7 @@ async def test_waiters_are_served_in_arrival_order_and_newcomers_cannot_overtake
     for number in range(3):
         waiters.append(asyncio.create_task(wait_then_note(number)))
         await eventually(lambda n=number: limit.queued == n + 1)  # type: ignore[misc]
+    limit.publish()
     assert gauge("queued", "fifo") == 3
 
     limit.release()

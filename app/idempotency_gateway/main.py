@@ -48,6 +48,7 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.resilience.breaker import BreakerState
+from idempotency_gateway.resilience.bulkhead import publish_every
 from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
 from idempotency_gateway.routing import RouteRequests
 from idempotency_gateway.server.heap import settle_after_startup
@@ -167,6 +168,8 @@ class Gateway:
             config.bulkheads,
             {name: upstream.bulkhead for name, upstream in self.upstreams.items()},
         )
+        # Each once, for the sampler of their gauges.
+        self.bulkheads = list(dict.fromkeys(b for chain in bulkheads.values() for b in chain))
         self.app = AccessLogMiddleware(
             RouteRequests(
                 BulkheadMiddleware(self.idempotency, bulkheads=bulkheads)
@@ -214,6 +217,8 @@ class Gateway:
         if self.invalidations is not None:
             self._background.append(asyncio.create_task(self.invalidations.run()))
         self._background.append(asyncio.create_task(self.stuck_records.run()))
+        if self.bulkheads:
+            self._background.append(asyncio.create_task(publish_every(self.bulkheads)))
         if self.config.sweeper.interval > 0:
             self._background.append(asyncio.create_task(self.sweeper.run()))
 

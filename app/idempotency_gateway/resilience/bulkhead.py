@@ -7,10 +7,12 @@ beyond is refused at once with ``CapacityExhausted``. A refusal is cheap and ear
 slow route fills its own bulkhead and no one else's, and its excess learns "not now" in
 microseconds instead of at its deadline.
 
-A free slot costs a comparison and an increment: no lock, no task, no timer (asyncio runs
-one callback at a time, so the counter needs no lock). Only a request that has to wait
-creates a future, and a release hands its slot straight to the oldest waiter, so a newcomer
-can never overtake the queue.
+A free slot costs a comparison and an increment: no lock, no task, no timer, no metric
+write (asyncio runs one callback at a time, so the counter needs no lock). Only a request
+that has to wait creates a future, and a release hands its slot straight to the oldest
+waiter, so a newcomer can never overtake the queue. The in-flight and queued gauges are
+sampled (``publish_every``) rather than written per request: with several workers each
+gauge write is a write to a shared file, which would cost more than the bulkhead itself.
 
 Each worker process has its own bulkheads; the limits are per worker.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Iterable
 from enum import StrEnum
 from types import TracebackType
 
@@ -32,6 +35,9 @@ from idempotency_gateway.telemetry.metrics import (
     BULKHEAD_QUEUED,
     BULKHEAD_REFUSALS,
 )
+
+# How often the in-flight and queued gauges are sampled; scrapes come every 15 s or more.
+SAMPLE_EVERY = 1.0
 
 
 class BulkheadKind(StrEnum):
@@ -82,14 +88,12 @@ class Bulkhead:
     async def acquire(self) -> None:
         if self.in_flight < self.max_concurrent and not self._waiters:
             self.in_flight += 1
-            self._in_flight.inc()
             return
         await self._wait_for_slot()
 
     def try_acquire(self) -> bool:
         if self.in_flight < self.max_concurrent and not self._waiters:
             self.in_flight += 1
-            self._in_flight.inc()
             return True
         self._refusals[Refusal.RETRY_NO_SLOT].inc()
         return False
@@ -101,17 +105,19 @@ class Bulkhead:
             if not waiter.done():
                 # The slot passes to the oldest waiter as it is: in_flight does not change.
                 waiter.set_result(None)
-                self._queued.dec()
                 return
         self.in_flight -= 1
-        self._in_flight.dec()
+
+    def publish(self) -> None:
+        """Set the in-flight and queued gauges to what they are now."""
+        self._in_flight.set(self.in_flight)
+        self._queued.set(len(self._waiters))
 
     async def _wait_for_slot(self) -> None:
         if len(self._waiters) >= self.max_queued:
             raise self._refuse(Refusal.QUEUE_FULL)
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
-        self._queued.inc()
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.queue_timeout):
@@ -121,10 +127,8 @@ class Bulkhead:
                 # The slot arrived in the same instant as the timeout or the cancellation:
                 # hand it on rather than lose it.
                 self.release()
-            else:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-                self._queued.dec()
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
             self._queue_wait.observe(time.perf_counter() - started)
             if isinstance(error, TimeoutError):
                 raise self._refuse(Refusal.QUEUE_TIMEOUT) from None
@@ -138,6 +142,14 @@ class Bulkhead:
             f"the {self.kind.value} {self.name!r} is at capacity ({self.max_concurrent} "
             f"in flight, {self.max_queued} queued){waited}; nothing was sent, retry later"
         )
+
+
+async def publish_every(bulkheads: Iterable[Bulkhead], every: float = SAMPLE_EVERY) -> None:
+    """Sample every bulkhead's gauges every ``every`` seconds, until cancelled."""
+    while True:
+        for bulkhead in bulkheads:
+            bulkhead.publish()
+        await asyncio.sleep(every)
 
 
 class RetrySlot:

@@ -105,13 +105,15 @@ BREAKER_TRANSITIONS = Counter(
 # gauges (limits included) add up over live workers.
 BULKHEAD_IN_FLIGHT = Gauge(
     PREFIX + "bulkhead_in_flight",
-    "Requests holding a slot of a bulkhead (retries included), summed over live workers",
+    "Requests holding a slot of a bulkhead (retries included), sampled every second, "
+    "summed over live workers",
     ["kind", "name"],
     multiprocess_mode="livesum",
 )
 BULKHEAD_QUEUED = Gauge(
     PREFIX + "bulkhead_queued",
-    "Requests waiting in a bulkhead's queue for a slot, summed over live workers",
+    "Requests waiting in a bulkhead's queue for a slot, sampled every second, summed over "
+    "live workers",
     ["kind", "name"],
     multiprocess_mode="livesum",
 )
