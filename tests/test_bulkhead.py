@@ -33,6 +33,14 @@ def bulkhead(
     return Bulkhead(BulkheadKind.TIER, name, config)
 
 
+async def queue_up(limit: Bulkhead) -> asyncio.Task[None]:
+    """A request that waits in ``limit``'s queue, once it is there."""
+    waiting = limit.queued
+    waiter = asyncio.create_task(limit.acquire())
+    await eventually(lambda: limit.queued == waiting + 1)
+    return waiter
+
+
 def refusals(name: str, reason: str) -> float:
     value = REGISTRY.get_sample_value(
         "idempotency_gateway_bulkhead_refusals_total",
@@ -111,8 +119,7 @@ async def test_waiters_are_served_in_arrival_order_and_newcomers_cannot_overtake
 async def test_a_full_queue_refuses_at_once_and_a_waiter_refuses_at_its_queue_timeout() -> None:
     limit = bulkhead("timeout", max_concurrent=1, max_queued=1, queue_timeout=0.05)
     await limit.acquire()
-    waiter = asyncio.create_task(limit.acquire())
-    await eventually(lambda: limit.queued == 1)
+    waiter = await queue_up(limit)
 
     with pytest.raises(CapacityExhausted, match="at capacity"):
         await limit.acquire()
@@ -134,8 +141,7 @@ async def test_a_full_queue_refuses_at_once_and_a_waiter_refuses_at_its_queue_ti
 async def test_a_cancelled_waiter_leaves_the_queue_and_no_slot_is_lost() -> None:
     limit = bulkhead("cancelled", max_concurrent=1, max_queued=2)
     await limit.acquire()
-    waiter = asyncio.create_task(limit.acquire())
-    await eventually(lambda: limit.queued == 1)
+    waiter = await queue_up(limit)
 
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -151,10 +157,8 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_no_slot_is_lost() -> None
 async def test_a_slot_handed_to_a_waiter_cancelled_in_the_same_instant_is_passed_on() -> None:
     limit = bulkhead("handover", max_concurrent=1, max_queued=2)
     await limit.acquire()
-    first = asyncio.create_task(limit.acquire())
-    await eventually(lambda: limit.queued == 1)
-    second = asyncio.create_task(limit.acquire())
-    await eventually(lambda: limit.queued == 2)
+    first = await queue_up(limit)
+    second = await queue_up(limit)
 
     limit.release()  # the slot is now first's ...
     first.cancel()  # ... but first is cancelled before it runs again
@@ -170,17 +174,19 @@ async def test_a_slot_handed_to_a_waiter_cancelled_in_the_same_instant_is_passed
 async def test_a_retry_slot_takes_a_free_slot_once_and_gives_it_back() -> None:
     limit = bulkhead("retry", max_concurrent=2)
     await limit.acquire()
+    slot, other = RetrySlot(limit), RetrySlot(limit)
 
-    with RetrySlot(limit) as slot:
-        assert slot.take()
-        assert slot.take()  # held already: no second slot
-        assert limit.in_flight == 2
-        with RetrySlot(limit) as other:
-            assert not other.take()  # full: the retry is not made
+    assert slot.take()
+    assert slot.take()  # held already: no second slot
+    assert limit.in_flight == 2
+    assert not other.take()  # full: the retry is not made
+    other.give_back()
+    assert limit.in_flight == 2
+    slot.give_back()
+    slot.give_back()  # once only
     assert limit.in_flight == 1
     assert refusals("retry", "retry_no_slot") == 1
-    with RetrySlot(None) as unlimited:
-        assert unlimited.take()
+    assert RetrySlot(None).take()
 
 
 @pytest.mark.parametrize(

@@ -138,10 +138,13 @@ class ResilientUpstream:
     ) -> UpstreamResponse:
         """The response to stream back (the caller releases it), or the last failure."""
         self.budget.record_request()
-        with RetrySlot(self.bulkhead) as retry_slot:
+        retry_slot = RetrySlot(self.bulkhead)
+        try:
             return await self._attempts_until_answer(
                 make_request, deadline, plan, request_log, retry_slot
             )
+        finally:
+            retry_slot.give_back()
 
     async def _attempts_until_answer(
         self,

@@ -24,7 +24,6 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from enum import StrEnum
-from types import TracebackType
 
 from idempotency_gateway.config import BulkheadConfig
 from idempotency_gateway.errors import CapacityExhausted
@@ -156,7 +155,7 @@ class RetrySlot:
     """The one extra slot of the upstream's bulkhead that a request's retries hold, from its
     first retry until its attempts end (Envoy's ``max_retries``, counted in the same limit):
     taken only when free at once, so a full upstream gets no retries and a brownout is not
-    amplified. With no bulkhead every retry may go."""
+    amplified. With no bulkhead every retry may go. ``give_back`` ends it, once or more."""
 
     __slots__ = ("_bulkhead", "_held")
 
@@ -170,15 +169,7 @@ class RetrySlot:
         self._held = self._bulkhead.try_acquire()
         return self._held
 
-    def __enter__(self) -> RetrySlot:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def give_back(self) -> None:
         if self._held and self._bulkhead is not None:
             self._held = False
             self._bulkhead.release()
