@@ -29,7 +29,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -273,10 +273,16 @@ def _refuse_queue_past_deadline(
     # A request that may wait in the queue for its whole deadline is refused at the deadline
     # instead of at once: exactly what a bulkhead is there to prevent.
     if bulkhead is not None and bulkhead.max_queued and bulkhead.queue_timeout >= timeouts.total:
-        raise ValueError(
+        raise _bulkhead_error(
             f"{where}: queue_timeout ({bulkhead.queue_timeout}s) must be shorter than the "
             f"upstream's timeouts.total ({timeouts.total}s)"
         )
+
+
+def _bulkhead_error(message: str) -> PydanticCustomError:
+    # Its own error type: validate_config leaves out top-level value errors (it reports route
+    # references from the raw data instead), and this one would vanish with them.
+    return PydanticCustomError("bulkhead", message)
 
 
 class OutcomeConfig(_Model):
@@ -451,7 +457,7 @@ class GatewayConfig(_Model):
             if route.bulkhead is None:
                 continue
             if route.bulkhead not in self.bulkheads:
-                raise ValueError(
+                raise _bulkhead_error(
                     f"route {route.name!r} names bulkhead {route.bulkhead!r}, "
                     f"which is not defined (defined: {known})"
                 )
