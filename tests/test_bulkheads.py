@@ -35,6 +35,7 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support.gateway import PRIMARY, GatewayLauncher, gateway_config, route
 from tests.support.keyed import record_key, send_keyed
+from tests.support.problems import assert_problem
 from tests.support.servers import GatewayProcess, write_config
 from tests.support.upstream import RecordingUpstream
 from tests.support.waiting import eventually
@@ -135,11 +136,9 @@ async def _sampled_after_the_charges(scrape: Awaitable[str]) -> str | None:
 
 
 def assert_capacity_exhausted(response: httpx.Response) -> None:
-    assert response.status_code == 503, response.text
-    assert response.headers["retry-after"] == "1"
-    problem = response.json()
-    assert problem["type"].endswith(":capacity-exhausted")
+    problem = assert_problem(response, 503, "capacity-exhausted")
     assert problem["retryable"] is True
+    assert response.headers["retry-after"] == "1"
 
 
 async def test_a_flooded_slow_route_cannot_starve_the_critical_route_on_its_upstream(
