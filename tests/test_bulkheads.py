@@ -6,11 +6,11 @@ the upstream and flooded; ``/v1/charges`` (tier ``critical``) runs alongside. Wi
 tiers the flood would take all 8 connections and every charge would wait for one until its
 deadline. With them:
 
-- the charges route's p99 under the flood stays within ``P99_FACTOR`` of its p99 measured
-  unloaded in the same test, and not one charge is refused;
+- the charges route's p99 under the flood stays within ``P99_FACTOR`` (30) times its p99
+  measured unloaded in the same test, and not one charge is refused;
 - every export beyond the tier's capacity gets its 503 ``capacity-exhausted`` problem while
   the admitted exports are still held at the upstream, so at once (or after the 100ms queue
-  timeout), never at its 30s deadline;
+  timeout), never at its deadline (120s here, so that the held exports outlast the test);
 - no key executes twice, no refused key leaves a record behind, and a refused key sent again
   once there is room executes once.
 
@@ -45,9 +45,10 @@ EXPORTS = "/v1/exports"
 OPTIONAL_SLOTS = 4
 OPTIONAL_QUEUE = 4
 # How much slower the charges route may get under the flood: generous, because the flood's
-# refusals share the worker's CPU (and the machine) with the charges; without the tiers a
-# charge would wait for its 30s deadline, thousands of times its unloaded latency.
-P99_FACTOR = 20
+# refusals share the gateway worker's CPU, and the flooding clients the test's own event loop,
+# with the charges (a shared 2-core machine at load 10 measured about 7x). Without the tiers
+# a charge would wait for a pooled connection until its deadline: over a thousand times.
+P99_FACTOR = 30
 # Unloaded p99s below this are scheduling noise; the factor applies to at least this much.
 P99_FLOOR = 0.020
 SAMPLES = 100
