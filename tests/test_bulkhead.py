@@ -4,20 +4,32 @@ Free slots are taken with no queue at all; waiters are served strictly in arriva
 a newcomer never overtakes them; a full queue refuses at once and a waiter refuses when its
 queue timeout passes; a waiter that gives up (or is cancelled in the very instant its slot
 arrives) never loses a slot. ``RetrySlot`` takes a free slot only, holds it once, and gives it
-back. The config refuses a queue that could outlast the upstream's deadline.
+back. The config refuses a queue that could outlast the upstream's deadline. The layer
+answers a refusal in its route's error format and gives every slot back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
 
-from idempotency_gateway.config import BulkheadConfig, ConfigError
+from idempotency_gateway.asgi import Message, Receive, Scope, Send
+from idempotency_gateway.config import (
+    BulkheadConfig,
+    ConfigError,
+    ErrorFormat,
+    IdempotencyConfig,
+    RouteConfig,
+    RouteMatch,
+)
 from idempotency_gateway.errors import CapacityExhausted
 from idempotency_gateway.resilience.bulkhead import Bulkhead, BulkheadKind, RetrySlot
+from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
+from idempotency_gateway.target import STATE_KEY, RequestTarget
 from tests.support.gateway import gateway_config, route
 from tests.support.waiting import eventually
 
@@ -220,3 +232,47 @@ def test_the_config_refuses_unknown_tiers_and_queues_that_outlast_the_deadline(
     with pytest.raises(ConfigError) as refused:
         gateway_config(UPSTREAM_URL, **settings)
     assert message in str(refused.value)
+
+
+async def test_the_layer_answers_a_refusal_in_the_routes_error_format_and_frees_slots() -> None:
+    route = RouteConfig(
+        name="exports",
+        match=RouteMatch(path_prefix="/"),
+        upstream="primary",
+        bulkhead="optional",
+        idempotency=IdempotencyConfig(error_format=ErrorFormat.STRIPE),
+    )
+    tiers = {"optional": BulkheadConfig(max_concurrent=1)}
+    passes = route_bulkheads([route], tiers, {"primary": None})
+    (tier,) = passes["exports"]
+    entered, leave = asyncio.Event(), asyncio.Event()
+
+    async def held_app(scope: Scope, receive: Receive, send: Send) -> None:
+        entered.set()
+        await leave.wait()
+
+    layer = BulkheadMiddleware(held_app, bulkheads=passes)
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    def scope() -> Scope:
+        target = RequestTarget(b"/v1/exports", b"", route)
+        return {"type": "http", "method": "POST", "headers": [], "state": {STATE_KEY: target}}
+
+    first = asyncio.create_task(layer(scope(), receive, send))
+    await entered.wait()
+    await layer(scope(), receive, send)  # refused while the first holds the only slot
+
+    start, body = sent
+    assert start["status"] == 503
+    assert (b"retry-after", b"1") in start["headers"]
+    error = json.loads(body["body"])["error"]
+    assert (error["type"], error["code"]) == ("api_error", "capacity_exhausted")
+    leave.set()
+    await first
+    assert tier.in_flight == 0
