@@ -273,16 +273,10 @@ def _refuse_queue_past_deadline(
     # A request that may wait in the queue for its whole deadline is refused at the deadline
     # instead of at once: exactly what a bulkhead is there to prevent.
     if bulkhead is not None and bulkhead.max_queued and bulkhead.queue_timeout >= timeouts.total:
-        raise _bulkhead_error(
+        raise ValueError(
             f"{where}: queue_timeout ({bulkhead.queue_timeout}s) must be shorter than the "
             f"upstream's timeouts.total ({timeouts.total}s)"
         )
-
-
-def _bulkhead_error(message: str) -> PydanticCustomError:
-    # Its own error type: validate_config leaves out top-level value errors (it reports route
-    # references from the raw data instead), and this one would vanish with them.
-    return PydanticCustomError("bulkhead", message)
 
 
 class OutcomeConfig(_Model):
@@ -447,7 +441,7 @@ class GatewayConfig(_Model):
             [(route.name, route.upstream) for route in self.routes], self.upstreams
         )
         if errors:
-            raise ValueError("; ".join(errors))
+            raise PydanticCustomError(_ROUTE_REFERENCES, "; ".join(errors))
         return self
 
     @model_validator(mode="after")
@@ -457,7 +451,7 @@ class GatewayConfig(_Model):
             if route.bulkhead is None:
                 continue
             if route.bulkhead not in self.bulkheads:
-                raise _bulkhead_error(
+                raise ValueError(
                     f"route {route.name!r} names bulkhead {route.bulkhead!r}, "
                     f"which is not defined (defined: {known})"
                 )
@@ -467,6 +461,10 @@ class GatewayConfig(_Model):
                 f"route {route.name!r}, bulkhead {route.bulkhead!r}",
             )
         return self
+
+
+# The error type of the route reference check, which validate_config runs on the raw data.
+_ROUTE_REFERENCES = "route_references"
 
 
 def route_reference_errors(
@@ -573,7 +571,7 @@ def validate_config(data: object, *, source: str) -> GatewayConfig:
             f"{_field_path(err['loc'])}: {_message(err)}"
             for err in exc.errors()
             # Reported below from the raw data, with the field errors, in one round.
-            if err["loc"] or err["type"] != "value_error"
+            if err["type"] != _ROUTE_REFERENCES
         ]
         errors.extend(_raw_route_reference_errors(data))
         raise ConfigError(source, errors) from None
