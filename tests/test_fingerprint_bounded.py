@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
+from benchmarks.fingerprint_stall import MAX_BODY, numbers
 from idempotency_gateway.config import MAX_CANONICAL_BODY, IdempotencyConfig
 from idempotency_gateway.idempotency.fingerprint import (
     OFFLOAD_ABOVE,
@@ -37,7 +38,6 @@ from tests.support.waiting import eventually
 from tests.test_fingerprint_exact import as_json, values
 
 JSON = [(b"content-type", b"application/json")]
-MAX_BODY = 10 * 1024 * 1024
 # A stall longer than this on a worker would be a defect: it is a thirtieth of the default
 # lease, and a tenth of what fingerprinting a 10 MiB JSON body took on the event loop. The
 # bound is generous on purpose: the tests share two loaded CPUs with other processes.
@@ -54,12 +54,6 @@ def hashed(body: bytes, *, max_canonical_body: int = 64 * 1024) -> str:
         body=body,
         max_canonical_body=max_canonical_body,
     )
-
-
-def numbers_body(size: int) -> bytes:
-    """A JSON array of at most ``size`` bytes (9 a value), every value a decimal number."""
-    count = (size - 1) // 9
-    return b"[" + b",".join(b"%06d.5" % (index % 1_000_000) for index in range(count)) + b"]"
 
 
 def lag_samples(*, above: str) -> tuple[float, float]:
@@ -154,7 +148,8 @@ async def test_a_large_body_is_fingerprinted_off_the_event_loop() -> None:
     """The fingerprint waits for the loop to run something else first: on the loop it could
     never see that happen, and would give up instead."""
     loop_ran = threading.Event()
-    body = numbers_body(OFFLOAD_ABOVE + 1)
+    body = numbers(OFFLOAD_ABOVE + 10)
+    assert len(body) > OFFLOAD_ABOVE
 
     def waits_for_the_loop() -> str:
         return hashed(body) if loop_ran.wait(timeout=10) else "stalled the loop"
@@ -234,7 +229,8 @@ async def test_json_bodies_at_the_size_limits_do_not_stall_the_worker(postgres_u
     large a body as the gateway takes (10 MiB, hashed as bytes). The worker's loop keeps its
     lag under the bound, and another client's request on it is answered meanwhile."""
     small_key = f"small-{uuid.uuid4()}"
-    bodies = {f"big-{uuid.uuid4()}": numbers_body(size) for size in (MAX_CANONICAL_BODY, MAX_BODY)}
+    bodies = {f"big-{uuid.uuid4()}": numbers(size) for size in (MAX_CANONICAL_BODY, MAX_BODY)}
+    assert canonical_json(b"application/json", next(iter(bodies.values()))) is not None
     async with RecordingUpstream() as upstream, GatewayLauncher() as gateways:
         config = keyed_gateway_config(
             upstream.url,
