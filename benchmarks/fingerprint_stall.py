@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.bodies import MAX_BODY, numbers
 from benchmarks.processes import cpu_seconds
 from benchmarks.servers import (
     RunContext,
@@ -43,7 +44,6 @@ from benchmarks.services import DEFAULT_SERVER_URL, prepare_database
 from idempotency_gateway.config import DEFAULT_MAX_CANONICAL_BODY, MAX_CANONICAL_BODY
 from idempotency_gateway.idempotency.fingerprint import request_hash
 
-MAX_BODY = 10 * 1024 * 1024
 PROBE_EVERY = 0.01
 _LAG_BUCKET = re.compile(
     rb'^idempotency_gateway_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$'
@@ -55,12 +55,6 @@ class Body:
     label: str
     content_type: bytes
     data: bytes
-
-
-def numbers(size: int) -> bytes:
-    """A JSON array of at most ``size`` bytes, every value a decimal number (9 bytes each)."""
-    count = (size - 1) // 9
-    return b"[" + b",".join(b"%d.5" % (100_000 + index % 900_000) for index in range(count)) + b"]"
 
 
 def bodies(canonical_limit: int) -> list[Body]:

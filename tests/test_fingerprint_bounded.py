@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
-from benchmarks.fingerprint_stall import MAX_BODY, numbers
+from benchmarks.bodies import MAX_BODY, numbers
 from idempotency_gateway.config import MAX_CANONICAL_BODY, IdempotencyConfig
 from idempotency_gateway.idempotency.fingerprint import (
     OFFLOAD_ABOVE,
