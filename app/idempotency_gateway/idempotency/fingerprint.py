@@ -36,8 +36,9 @@ from idempotency_gateway.config import DEFAULT_MAX_CANONICAL_BODY
 
 # Bodies larger than this are fingerprinted in a worker thread, where hashing releases the
 # GIL and a canonical form yields it every switch interval (5 ms): the loop stays live.
-# Smaller ones stay on the loop: their canonical form is well under a millisecond
-# (benchmarks/RESULTS.md), about what the hop to a thread and back costs.
+# Smaller ones stay on the loop: their canonical form costs at most about 2 ms on the
+# benchmark machine (an eighth of the 64 KiB body's in benchmarks/RESULTS.md), and most
+# bodies are far smaller, where the hop to a thread and back would cost more than the work.
 OFFLOAD_ABOVE = 8 * 1024
 
 
