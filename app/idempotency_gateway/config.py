@@ -286,6 +286,11 @@ class OutcomeConfig(_Model):
     ambiguous: frozenset[int] = frozenset({502, 504})
 
 
+# A canonical JSON form costs an object per value, so its size is bounded (docs/CONTRACT.md).
+DEFAULT_MAX_CANONICAL_BODY: Final = 64 * 1024
+MAX_CANONICAL_BODY: Final = 1024 * 1024
+
+
 class IdempotencyConfig(_Model):
     methods: frozenset[str] = frozenset({"POST", "PATCH"})
     key: KeyPolicy = KeyPolicy.OPTIONAL
@@ -300,6 +305,9 @@ class IdempotencyConfig(_Model):
     max_stored_body: ByteSize = 1024 * 1024
     operation: str | None = Field(None, min_length=1, max_length=200)
     fingerprint_headers: tuple[LowerHeaderName, ...] = ()
+    # JSON bodies up to this size are compared canonically (key order and whitespace aside);
+    # larger ones byte for byte, a pass over the bytes instead of an object per value.
+    max_canonical_body: ByteSize = Field(DEFAULT_MAX_CANONICAL_BODY, ge=0, le=MAX_CANONICAL_BODY)
     outcomes: OutcomeConfig = OutcomeConfig()
     # How the gateway's own errors look on this route: RFC 9457 problems, or the body
     # Stripe's SDKs parse (for routes in front of a Stripe-compatible API).

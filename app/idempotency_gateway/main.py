@@ -52,6 +52,7 @@ from idempotency_gateway.resilience.bulkhead import publish_every
 from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
 from idempotency_gateway.routing import RouteRequests
 from idempotency_gateway.server.heap import settle_after_startup
+from idempotency_gateway.telemetry.loop_lag import LoopLagMonitor
 from idempotency_gateway.telemetry.metrics import (
     BREAKER_STATE,
     BREAKER_STATE_VALUES,
@@ -150,6 +151,7 @@ class Gateway:
         )
         self.sweeper = Sweeper(self.store, config.sweeper)
         self.stuck_records = StuckRecordsSampler(self.store.count_stuck)
+        self.loop_lag = LoopLagMonitor()
         self.idempotency = IdempotencyMiddleware(
             ProxyApp(config, self.upstreams),
             store=self.store,
@@ -213,6 +215,7 @@ class Gateway:
         for name in self.upstreams:
             BREAKER_STATE.labels(name).set(BREAKER_STATE_VALUES[BreakerState.CLOSED.value])
         await self.wakeups.start()
+        self.loop_lag.start()
         self._background.append(asyncio.create_task(self.overrides.run()))
         if self.invalidations is not None:
             self._background.append(asyncio.create_task(self.invalidations.run()))
@@ -229,6 +232,7 @@ class Gateway:
             _, still_running = await asyncio.wait(pending, timeout=DRAIN_TIMEOUT)
             if still_running:
                 log.error("%d executions still running at shutdown", len(still_running))
+        self.loop_lag.stop()
         for task in self._background:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
