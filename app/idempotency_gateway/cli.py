@@ -88,7 +88,7 @@ def _resolve_config(args: argparse.Namespace, settings: EnvSettings) -> GatewayC
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = EnvSettings()
+    settings = EnvSettings.load()
     config = _resolve_config(args, settings)
     metrics_directory = None
     if args.workers > 1 and MULTIPROCESS_ENV not in os.environ:
@@ -142,7 +142,7 @@ def _run_server(
         limits=config.limits,
         gateway_config=config,
         # SIGHUP reads the same source again: the file (--config or GATEWAY_CONFIG).
-        reload_config=lambda: _resolve_config(args, EnvSettings()),
+        reload_config=lambda: _resolve_config(args, EnvSettings.load()),
         drain=DrainState(drain_marker),
     )
 
@@ -151,7 +151,7 @@ def _migrate(args: argparse.Namespace) -> int:
     from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
 
-    url = database_url_or_default(EnvSettings().database_url)
+    url = database_url_or_default(EnvSettings.load().database_url)
     deadline = time.monotonic() + args.wait
     while True:
         # A container starting beside its database must not fail because it came up first.
@@ -188,7 +188,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     async def sweep_all() -> int | None:
         store = RecordStore.from_url(
-            database_url_or_default(EnvSettings().database_url), StoreConfig()
+            database_url_or_default(EnvSettings.load().database_url), StoreConfig()
         )
         try:
             return await store.sweep(batch_size=args.batch_size)

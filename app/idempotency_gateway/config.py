@@ -29,6 +29,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from idempotency_gateway.database_url import sqlalchemy_url
+
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_UNITS = {
     "": 1,
@@ -391,6 +393,28 @@ class EnvSettings(BaseSettings):
     scope_secret: SecretStr | None = None
     config: Path | None = None
     admin_port: int = Field(8081, ge=0, le=65535)
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url_parses(cls, value: str | None) -> str | None:
+        # Checked at start, so a typo in a host list is an error naming the variable, not a
+        # store that fails on every request.
+        if value is not None:
+            sqlalchemy_url(value)
+        return value
+
+    @classmethod
+    def load(cls) -> EnvSettings:
+        """The settings from the environment; a bad one is a ``ConfigError`` naming it."""
+        try:
+            return cls()
+        except ValidationError as exc:
+            errors = [
+                f"{cls.model_config.get('env_prefix', '')}{_field_path(err['loc']).upper()}: "
+                f"{err['msg']}"
+                for err in exc.errors()
+            ]
+            raise ConfigError("environment", errors) from None
 
 
 class ConfigError(Exception):

@@ -243,7 +243,7 @@ create_gateway = Gateway
 
 def gateway_from_environment() -> Gateway:
     """Factory for ``uvicorn --factory`` and for each ``serve --workers N`` process."""
-    settings = EnvSettings()
+    settings = EnvSettings.load()
     resolved = os.environ.get(RESOLVED_CONFIG_ENV)
     if resolved is not None:
         config = GatewayConfig.model_validate_json(resolved)

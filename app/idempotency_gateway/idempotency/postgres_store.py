@@ -87,6 +87,17 @@ class PostgresRecordStore(RecordStore):
                 connection = await pool.acquire()
             try:
                 yield connection
+            except asyncpg.ReadOnlySQLTransactionError:
+                # The server became a standby (a failover moved the primary): every pooled
+                # connection is on the wrong host. New ones follow the host list to the server
+                # that accepts writes (``target_session_attrs=read-write``).
+                await pool.expire_connections()
+                raise
+            except TimeoutError:
+                # No answer in time: the host may be gone without a reset ever arriving, and
+                # the connection would hang the next statement too. Never reuse it.
+                connection.terminate()
+                raise
             finally:
                 await pool.release(connection)
 
