@@ -93,9 +93,14 @@ class PostgresRecordStore(RecordStore):
                 # that accepts writes (``target_session_attrs=read-write``).
                 await pool.expire_connections()
                 raise
-            except TimeoutError:
-                # No answer in time: the host may be gone without a reset ever arriving, and
-                # the connection would hang the next statement too. Never reuse it.
+            except Exception:
+                # The hot statements do not fail in normal operation (a conflict is ON CONFLICT
+                # DO NOTHING, a lost compare-and-set is zero rows). A failure is a timeout (the
+                # host may be gone without a reset ever arriving), a lost connection, a server
+                # shutting down, or asyncpg's protocol left mid-message (seen in a failover).
+                # The pool would lend the connection out as it is (``_keep_session`` runs no
+                # reset query that would notice), so the next statement would hang or fail on
+                # it: never reuse it.
                 connection.terminate()
                 raise
             finally:

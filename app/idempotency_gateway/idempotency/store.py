@@ -224,6 +224,9 @@ _DRIVER_ERRORS = (
     SQLAlchemyError,
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
+    # asyncpg's protocol in a state it did not expect (seen when a connection broke
+    # mid-statement during a failover): a store error like any other, not a crash.
+    asyncpg.InternalClientError,
     sqlite3.Error,
     OSError,
     TimeoutError,
