@@ -239,6 +239,8 @@ class ReplicatedPostgres(PrivatePostgres):
 
     def __init__(self, *, synchronous: bool) -> None:
         super().__init__()
+        if not (self.bin_dir / "pg_basebackup").exists():
+            raise RuntimeError(f"no pg_basebackup beside initdb in {self.bin_dir}")
         self.synchronous = synchronous
         self.standby = PrivatePostgres(settings={"cluster_name": STANDBY_NAME})
         self.link = TcpProxy(LOOPBACK, self.port)
