@@ -32,6 +32,8 @@ from pydantic import (
 from pydantic_core import ErrorDetails, PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from idempotency_gateway.database_url import sqlalchemy_url
+
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_UNITS = {
     "": 1,
@@ -533,7 +535,12 @@ class EnvSettings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str | None) -> str | None:
-        return _url_with_scheme(value, DATABASE_SCHEMES, "a PostgreSQL or SQLite")
+        checked = _url_with_scheme(value, DATABASE_SCHEMES, "a PostgreSQL or SQLite")
+        if checked is not None:
+            # A typo in a host list is an error naming the variable, not a store that fails
+            # on every request.
+            sqlalchemy_url(checked)
+        return checked
 
     @field_validator("redis_url")
     @classmethod

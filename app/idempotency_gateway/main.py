@@ -25,8 +25,8 @@ from idempotency_gateway.asgi import Receive, Scope, Send
 from idempotency_gateway.clock import utc_now
 from idempotency_gateway.config import (
     CacheConfig,
-    EnvSettings,
     GatewayConfig,
+    environment_settings,
     load_config,
     validate_config,
 )
@@ -268,7 +268,7 @@ create_gateway = Gateway
 
 def gateway_from_environment() -> Gateway:
     """Factory for ``uvicorn --factory`` and for each ``serve --workers N`` process."""
-    settings = EnvSettings()
+    settings = environment_settings()
     resolved = os.environ.get(RESOLVED_CONFIG_ENV)
     if resolved is not None:
         config = GatewayConfig.model_validate_json(resolved)
