@@ -59,7 +59,8 @@ async def test_readme_example_replays_a_retried_charge(
         retry = await client.post("/v1/charges", json=CHARGE, headers={"Idempotency-Key": key})
 
     assert first.status_code == 200
-    assert first.json() == {"id": "ch_1", "fencing_token": 1}
+    assert first.json()["id"] == "ch_1"
+    assert first.json()["fencing_token"] >= 1
     assert retry.status_code == 200
     assert retry.content == first.content
     assert retry.headers["idempotent-replayed"] == "true"

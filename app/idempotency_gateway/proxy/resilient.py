@@ -6,7 +6,9 @@ safe or idempotent method, or protected by an idempotency key that is forwarded 
 Ambiguous failures (timeouts, lost connections, 502/504) are retried only where the route
 says ``on_ambiguous: retry`` (the upstream dedupes on the key) or the method is safe.
 Every attempt and every pause stays inside the request's deadline, and retries spend the
-upstream's retry budget. Each decision is logged with its reason.
+upstream's retry budget. Each decision is logged with its reason. A keyed execution's lease is
+confirmed afresh (one round trip) after every pause, and before each attempt by the client:
+``LeaseNotConfirmed`` ends the loop at once, is never retried, and tells the breaker nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from idempotency_gateway.errors import (
     UpstreamRequestRefused,
     UpstreamTimeout,
 )
+from idempotency_gateway.execution import Execution
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
@@ -127,8 +130,10 @@ class ResilientUpstream:
         deadline: Deadline,
         plan: RetryPlan,
         request_log: RequestLog | None = None,
+        execution: Execution | None = None,
     ) -> UpstreamResponse:
-        """The response to stream back (the caller releases it), or the last failure."""
+        """The response to stream back (the caller releases it), or the last failure.
+        ``execution``: the keyed execution whose lease every attempt must hold."""
         self.budget.record_request()
         attempt = 0
         while True:
@@ -151,14 +156,16 @@ class ResilientUpstream:
             with trial:
                 try:
                     response = await self.client.open(
-                        make_request(head_within), head_within=head_within
+                        make_request(head_within), head_within=head_within, execution=execution
                     )
                 except UpstreamError as error:
                     trial.settle(failure=self._error_is_failure(error))
                     self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
                     reason = self._why_not_retry_error(error, plan)
                     if reason is None:
-                        reason = await self._pause_before_retry(attempt, None, deadline, str(error))
+                        reason = await self._pause_before_retry(
+                            attempt, None, deadline, str(error), execution=execution
+                        )
                     if reason is not None:
                         self._log_final(attempt, type(error).__name__, reason)
                         raise
@@ -169,7 +176,12 @@ class ResilientUpstream:
             if reason is None:
                 retry_after = parse_retry_after(response.header("retry-after"))
                 reason = await self._pause_before_retry(
-                    attempt, retry_after, deadline, f"status {response.status}", response
+                    attempt,
+                    retry_after,
+                    deadline,
+                    f"status {response.status}",
+                    response,
+                    execution=execution,
                 )
             if reason is not None:
                 # Plain answers (2xx, 404) need no explanation; a retryable status that was
@@ -210,8 +222,12 @@ class ResilientUpstream:
         deadline: Deadline,
         cause: str,
         response: UpstreamResponse | None = None,
+        *,
+        execution: Execution | None,
     ) -> str | None:
-        """Sleep before the next attempt; or say why there will be none."""
+        """Sleep before the next attempt; or say why there will be none. After the pause the
+        execution's lease is confirmed with a round trip, whatever the clock says: the owner
+        may have stalled, or been fenced, while it waited."""
         if attempt >= self.retry.max_attempts:
             return f"max_attempts ({self.retry.max_attempts}) reached"
         delay = pause_before_retry(
@@ -238,6 +254,8 @@ class ResilientUpstream:
             delay,
         )
         await self._sleep(delay)
+        if execution is not None:
+            await execution.confirm(fresh=True)
         return None
 
     def _measure(self, started: float, result: str) -> None:
