@@ -348,7 +348,7 @@ async def test_503_twice_then_success_is_one_answer_from_three_attempts(
     assert response.status_code == 201
     assert response.json()["execution"] == upstream.executions_for(key)[-1].number
     # One record, one owner: every attempt carries the same fencing token.
-    assert [e.fencing_token for e in upstream.executions_for(key)] == [1, 1, 1]
+    assert len({e.fencing_token for e in upstream.executions_for(key)}) == 1
     retries = retries_in(retry_log())
     assert len(retries) == 2
     assert all("primary after status 503" in line for line in retries)

@@ -128,7 +128,10 @@ class _Heartbeat:
                 return
             # Not renewed, so no longer trusted: the execution sends nothing more until a
             # confirmation succeeds, and this timer keeps trying.
-            log.warning("lease renewal failed: %s", refusal.detail)
+            log.warning(
+                "lease renewal failed (%s); the execution sends nothing more until one succeeds",
+                type(refusal.__cause__).__name__,
+            )
         if not self._stopped:
             self._timer = self._loop.call_later(self._interval, self._due)
 
