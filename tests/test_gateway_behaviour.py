@@ -181,14 +181,14 @@ async def test_key_and_fencing_token_are_forwarded_upstream(
     key = unique("forwarded")
 
     # A client cannot choose its own fencing token: the gateway's replaces it.
-    response = await post_charge(gateway, key, headers={"Idempotency-Fencing-Token": "99"})
+    response = await post_charge(gateway, key, headers={"Idempotency-Fencing-Token": "0"})
 
     assert response.status_code == 201
     [execution] = upstream.executions_for(key)
     assert execution.header_values("Idempotency-Key") == [key]
     token = response.json()["fencing_token"]
     assert execution.header_values("Idempotency-Fencing-Token") == [str(token)]
-    assert token != 99
+    assert token >= 1
 
 
 # ---------------------------------------------------------------------- the key itself
@@ -440,11 +440,8 @@ async def test_unreachable_upstream_is_502_retryable_and_the_key_may_run_again(
     assert_problem(first, 502, slug="upstream-unreachable", retryable=True)
     record = await store.get(charge_record(key))
     assert record is not None
-    assert (record.status, record.fencing_token, record.response) == (
-        Status.FAILED_RETRYABLE,
-        1,
-        None,
-    )
+    assert (record.status, record.response) == (Status.FAILED_RETRYABLE, None)
+    first_token = record.fencing_token
 
     # Not replayed: the retry is a new execution attempt with the next fencing token.
     retry = await post_charge(gateway, key)
@@ -452,11 +449,8 @@ async def test_unreachable_upstream_is_502_retryable_and_the_key_may_run_again(
     assert "idempotent-replayed" not in retry.headers
     record = await store.get(charge_record(key))
     assert record is not None
-    assert (record.status, record.fencing_token, record.attempts) == (
-        Status.FAILED_RETRYABLE,
-        2,
-        2,
-    )
+    assert (record.status, record.attempts) == (Status.FAILED_RETRYABLE, 2)
+    assert record.fencing_token > first_token
 
 
 AMBIGUOUS_FAILURES = [

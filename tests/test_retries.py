@@ -24,7 +24,7 @@ import pytest
 
 from idempotency_gateway.config import UpstreamConfig
 from idempotency_gateway.errors import CircuitOpen, DeadlineExhausted
-from idempotency_gateway.idempotency.record import RecordKey, Status
+from idempotency_gateway.idempotency.record import Record, RecordKey, Status
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
@@ -327,10 +327,14 @@ def send(
     return gateway.client.request(method, CHARGES, headers=sent, **body)
 
 
-async def record_status(store: RecordStore, key: str) -> Status:
+async def record_of(store: RecordStore, key: str) -> Record:
     record = await store.get(RecordKey("anonymous", f"POST {CHARGES}", key))
     assert record is not None
-    return record.status
+    return record
+
+
+async def record_status(store: RecordStore, key: str) -> Status:
+    return (await record_of(store, key)).status
 
 
 async def test_503_twice_then_success_is_one_answer_from_three_attempts(
@@ -428,7 +432,12 @@ async def test_keyed_post_that_ran_out_of_attempts_is_failed_retryable_and_runs_
     retry = await send(gateway, key=key)
     assert retry.status_code == 201
     assert "idempotent-replayed" not in retry.headers
-    assert [e.fencing_token for e in upstream.executions_for(key)] == [1, 1, 1, 2]
+    tokens = [e.fencing_token for e in upstream.executions_for(key)]
+    # Three attempts of the first owner, then the next owner's larger token.
+    assert tokens[:3] == [tokens[0]] * 3
+    assert tokens[0] is not None
+    assert tokens[3] is not None
+    assert tokens[0] < tokens[3]
     assert await record_status(store, key) is Status.SUCCEEDED
 
 
@@ -535,7 +544,7 @@ async def test_ambiguous_failure_is_retried_only_under_on_ambiguous_retry(
 
     assert_problem(response, status, slug)
     assert upstream.count(key) == attempts
-    assert [e.fencing_token for e in upstream.executions_for(key)] == [1] * attempts
+    assert len({e.fencing_token for e in upstream.executions_for(key)}) == 1
     assert len({e.body for e in upstream.executions_for(key)}) == 1
     assert await record_status(store, key) is record
     [final] = final_decisions_in(retry_log())
@@ -644,8 +653,12 @@ async def test_breaker_opens_after_failures_and_then_spares_the_upstream(
     assert await record_status(store, key) is Status.FAILED_RETRYABLE
 
     breaker.force(None)
+    refused = await record_of(store, key)
     retry = await send(gateway, key=key)
 
     assert retry.status_code == 201
-    assert [e.fencing_token for e in upstream.executions_for(key)] == [2]
+    # The refused first owner's token, then the next owner's larger one went upstream.
+    [executed] = upstream.executions_for(key)
+    assert executed.fencing_token is not None
+    assert executed.fencing_token > refused.fencing_token
     assert await record_status(store, key) is Status.SUCCEEDED
