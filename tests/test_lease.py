@@ -10,7 +10,8 @@ after it expired, or taken over, always gets a larger token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
@@ -129,60 +130,55 @@ async def test_a_lease_taken_over_is_fenced_for_good(
     assert current.owner_id == newer.owner_id
 
 
-async def test_a_renewal_the_store_cannot_answer_leaves_the_lease_untrusted(
-    database_url: str, store: RecordStore, clock: ManualClock, key: RecordKey
-) -> None:
-    if database_url.startswith("sqlite"):
-        pytest.skip("a network partition needs a network")
-    record = await reserved(store, key)
-    async with TcpProxy("127.0.0.1", 5432) as proxy:
+@dataclass
+class Partition:
+    link: TcpProxy
+    """Between ``store`` and PostgreSQL: paused, bytes stop and nothing closes."""
+    store: RecordStore
+
+
+@pytest.fixture
+async def partition(postgres_url: str) -> AsyncIterator[Partition]:
+    async with TcpProxy("127.0.0.1", 5432) as link:
         config = StoreConfig(statement_timeout=0.5, connect_timeout=0.5)
-        partitioned = RecordStore.from_url(proxy.rewrite_url(database_url), config)
+        store = RecordStore.from_url(link.rewrite_url(postgres_url), config)
         try:
-            lease = lease_of(partitioned, record, clock, length=2.0)
-            await lease.confirm(fresh=True)  # through the link while it still flows
-            lease.check()
-            proxy.pause()
-            with pytest.raises(LeaseNotConfirmed) as refused:
-                await lease.confirm(fresh=True)
-            assert not refused.value.fenced
-            # Failed is failed: not trusted, although the clock alone would still trust it.
-            assert not lease.is_trusted()
-            with pytest.raises(LeaseNotConfirmed):
-                lease.check()
-            proxy.resume()
-            await lease.confirm()
-            lease.check()
+            yield Partition(link, store)
         finally:
-            proxy.resume()
-            await partitioned.close()
+            link.resume()
+            await store.close()
+
+
+async def test_a_renewal_the_store_cannot_answer_leaves_the_lease_untrusted(
+    partition: Partition, clock: ManualClock, key: RecordKey
+) -> None:
+    lease = lease_of(partition.store, await reserved(partition.store, key), clock, length=2.0)
+    lease.check()
+    partition.link.pause()
+    with pytest.raises(LeaseNotConfirmed) as refused:
+        await lease.confirm(fresh=True)
+    assert not refused.value.fenced
+    # Failed is failed: not trusted, although the clock alone would still trust it.
+    assert not lease.is_trusted()
+    with pytest.raises(LeaseNotConfirmed):
+        lease.check()
+    partition.link.resume()
+    await lease.confirm()
+    lease.check()
 
 
 async def test_a_heartbeat_renewal_that_fails_untrusts_the_lease_without_fencing_it(
-    database_url: str, store: RecordStore, key: RecordKey
+    partition: Partition, key: RecordKey
 ) -> None:
-    if database_url.startswith("sqlite"):
-        pytest.skip("a network partition needs a network")
-    record = await reserved(store, key)
-    async with TcpProxy("127.0.0.1", 5432) as proxy:
-        config = StoreConfig(statement_timeout=0.5, connect_timeout=0.5)
-        partitioned = RecordStore.from_url(proxy.rewrite_url(database_url), config)
-        # A renewal every 0.2 s of real time, each given up after 0.48 s.
-        run = OwnerRun(partitioned, record, lease=0.6, ttl=TTL, sent_at=lease_clock())
-        try:
-            async with run.heartbeat():
-                proxy.pause()
-                await eventually(
-                    lambda: not run.lease.is_trusted(), timeout=5.0, message="lease untrusted"
-                )
-                assert not run.fenced
-                proxy.resume()
-                await eventually(
-                    run.lease.is_trusted, timeout=5.0, message="trusted after a renewal"
-                )
-        finally:
-            proxy.resume()
-            await partitioned.close()
+    record = await reserved(partition.store, key)
+    # A renewal every 0.2 s of real time, each given up after 0.48 s.
+    run = OwnerRun(partition.store, record, lease=0.6, ttl=TTL, sent_at=lease_clock())
+    async with run.heartbeat():
+        partition.link.pause()
+        await eventually(lambda: not run.lease.is_trusted(), timeout=5.0, message="untrusted")
+        assert not run.fenced
+        partition.link.resume()
+        await eventually(run.lease.is_trusted, timeout=5.0, message="trusted after a renewal")
     assert not run.fenced
 
 

@@ -28,15 +28,19 @@ depends_on: str | Sequence[str] | None = None
 _SOURCE = "idempotency_fencing_tokens"
 
 
+def _token_column(now: sa.types.TypeEngine[int], was: sa.types.TypeEngine[int]) -> None:
+    op.alter_column(
+        "idempotency_records",
+        "fencing_token",
+        type_=now,
+        existing_type=was,
+        existing_nullable=False,
+    )
+
+
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.alter_column(
-            "idempotency_records",
-            "fencing_token",
-            type_=sa.BigInteger(),
-            existing_type=sa.Integer(),
-            existing_nullable=False,
-        )
+        _token_column(sa.BigInteger(), sa.Integer())
         op.execute(f"CREATE SEQUENCE {_SOURCE} AS bigint")
         op.execute(
             f"SELECT setval('{_SOURCE}', coalesce(max(fencing_token), 0) + 1, false) "
@@ -59,12 +63,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"DROP SEQUENCE {_SOURCE}")
-        op.alter_column(
-            "idempotency_records",
-            "fencing_token",
-            type_=sa.Integer(),
-            existing_type=sa.BigInteger(),
-            existing_nullable=False,
-        )
+        _token_column(sa.Integer(), sa.BigInteger())
         return
     op.drop_table(_SOURCE)
