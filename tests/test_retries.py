@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import UpstreamConfig
-from idempotency_gateway.errors import CircuitOpen, DeadlineExhausted
+from idempotency_gateway.errors import CircuitOpen, DeadlineExhausted, LeaseNotConfirmed
+from idempotency_gateway.execution import Execution, Outcome
 from idempotency_gateway.idempotency.record import Record, RecordKey, Status
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
@@ -125,6 +126,7 @@ def open_keyed_charge(
     *,
     key: str = "k1",
     seconds_left: float = 10.0,
+    execution: Execution | None = None,
 ) -> Awaitable[UpstreamResponse]:
     """``resilient.open`` a keyed charge scripted by ``behavior``, with ``seconds_left`` on the
     deadline (ten seconds: more than any retry loop here needs, unless a test says otherwise)."""
@@ -132,7 +134,55 @@ def open_keyed_charge(
         charge_request(upstream, behavior, key),
         deadline=deadline(clock, seconds_left),
         plan=KEYED,
+        execution=execution,
     )
+
+
+class LeaseLostAt:
+    """A lease that is confirmed until the confirmation numbered ``lost_at`` (1-based)."""
+
+    def __init__(self, lost_at: int) -> None:
+        self.lost_at = lost_at
+        self.confirmations: list[bool] = []
+        """``fresh`` of each confirmation asked for, in order."""
+
+    async def confirm(self, *, fresh: bool = False) -> None:
+        self.confirmations.append(fresh)
+        if len(self.confirmations) >= self.lost_at:
+            raise LeaseNotConfirmed("another owner took the record over", fenced=True)
+
+    def check(self) -> None:
+        if len(self.confirmations) >= self.lost_at:
+            raise LeaseNotConfirmed("another owner took the record over", fenced=True)
+
+
+@pytest.mark.parametrize(
+    ("lost_at", "outcome"),
+    [(1, Outcome.NOT_EXECUTED), (2, Outcome.AMBIGUOUS)],
+    ids=["before-the-first-attempt", "after-the-pause"],
+)
+async def test_a_lost_lease_ends_the_loop_unsent_unretried_and_without_a_breaker_verdict(
+    make_resilient: MakeResilient,
+    upstream: RecordingUpstream,
+    clock: ManualClock,
+    lost_at: int,
+    outcome: Outcome,
+) -> None:
+    resilient = await make_resilient(retry={"max_attempts": 3})
+    lease = LeaseLostAt(lost_at)
+    execution = Execution("k-lease", 7, lease)
+
+    with pytest.raises(LeaseNotConfirmed):
+        await open_keyed_charge(
+            resilient, upstream, clock, "status=503", key="k-lease", execution=execution
+        )
+
+    # Confirmed before the first attempt, afresh after the pause; nothing after the refusal.
+    assert lease.confirmations == [False, True][:lost_at]
+    assert upstream.count("k-lease") == lost_at - 1
+    assert execution.outcome is outcome
+    # Only the attempt that was sent (its 503) told the breaker anything.
+    assert resilient.breaker.snapshot().calls == lost_at - 1
 
 
 async def status_of(answer: Awaitable[UpstreamResponse]) -> int:
