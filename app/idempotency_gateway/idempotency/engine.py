@@ -20,6 +20,7 @@ from idempotency_gateway.config import IdempotencyConfig, OnAmbiguous
 from idempotency_gateway.errors import (
     GatewayError,
     KeyReusedWithDifferentRequest,
+    LeaseNotConfirmed,
     OutcomeUnknown,
     RequestInFlight,
     StoreUnavailable,
@@ -229,9 +230,14 @@ class IdempotencyEngine:
             max_stored_body=request.config.max_stored_body,
             error_format=request.config.error_format,
         )
+        failure: GatewayError = OutcomeUnknown("the app failed")
         async with run.heartbeat():
             try:
                 await self.app(inner_scope, replay_receive(request.body), capture.send)
+            except LeaseNotConfirmed as refusal:
+                # A library app that stopped before its side effect, as it should: the
+                # execution has already reported whether anything had left.
+                failure = refusal
             except Exception:
                 log.exception("the app failed while executing an idempotent request")
                 execution.report(Outcome.AMBIGUOUS)
@@ -243,7 +249,7 @@ class IdempotencyEngine:
         recorded, published = await self._record(request, run, status, answer)
         if recorded:
             # An app that raised before answering: the client gets what every retry will see.
-            instead = answer or request.problem(OutcomeUnknown("the app failed"))
+            instead = answer or request.problem(failure)
         else:
             # Fenced off, or the store is down: this answer is not the key's answer of record
             # (a newer owner's may be, or an "outcome unknown" later), so the client must not
