@@ -89,8 +89,8 @@ class Lease:
 
     async def renew(self) -> None:
         """One compare-and-set renewal; on success the lease is trusted again from the
-        moment it was sent. Bounded by the margin-less lease: an answer later than that
-        could not be trusted anyway."""
+        moment it was sent. Waits no longer than the trusted part of the lease: a later
+        answer could not be trusted anyway."""
         sent_at = self._clock()
         try:
             async with asyncio.timeout(self.length - self.margin):
