@@ -24,6 +24,7 @@ translated into this tree in one place each: ``proxy`` (its client, connection a
     ├── TooManyConnections              the worker's connection cap is reached (503)
     ├── CapacityExhausted               a bulkhead is full: refused before anything ran (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
+    ├── LeaseNotConfirmed               the owner could not confirm its lease: nothing sent (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
         ├── UpstreamNotSent               the request never left: safe to execute again (502)
@@ -184,6 +185,22 @@ class StoreUnavailable(GatewayError):
     title = "Idempotency store unavailable"
     retryable = True
     retry_after = 1
+
+
+class LeaseNotConfirmed(GatewayError):
+    """The execution's owner could not confirm with the database that it still holds the
+    record's lease (fenced by a newer owner, or the store did not answer in time), so the
+    attempt it was about to make was not sent."""
+
+    status = 503
+    slug = "lease-not-confirmed"
+    title = "Lease not confirmed; the request was not sent"
+    retryable = True
+    retry_after = 1
+
+    def __init__(self, detail: str, *, fenced: bool) -> None:
+        super().__init__(detail)
+        self.fenced = fenced
 
 
 class AdminError(GatewayError):

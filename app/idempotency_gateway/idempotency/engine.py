@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from idempotency_gateway.asgi import ASGIApp, Headers, Scope, Send, replay_receive
+from idempotency_gateway.clock import lease_clock
 from idempotency_gateway.config import IdempotencyConfig, OnAmbiguous
 from idempotency_gateway.errors import (
     GatewayError,
     KeyReusedWithDifferentRequest,
+    LeaseNotConfirmed,
     OutcomeUnknown,
     RequestInFlight,
     StoreUnavailable,
@@ -125,9 +127,12 @@ class IdempotencyEngine:
         claim = Claim(request.fingerprint, new_owner_id(), config.lease, config.ttl)
         waited: Headers = []
         for _ in range(_MAX_DECISIONS):
+            # Read before each statement that may grant a lease: the lease is trusted from
+            # the moment the grant was sent (``lease.Lease``).
+            sent_at = lease_clock()
             reservation = await self.store.reserve(request.key, claim)
             if reservation.reserved:
-                await self._execute(request, reservation.record)
+                await self._execute(request, reservation.record, sent_at)
                 return
             record = reservation.record
             action = decide(record, request_hash=request.fingerprint, now=reservation.now)
@@ -155,14 +160,15 @@ class IdempotencyEngine:
                     "retry with the same key to get its answer",
                     retry_after=IN_FLIGHT_RETRY_AFTER,
                 )
+            sent_at = lease_clock()
             taken = await self.store.take_over(record, claim)
             if taken is None:
                 continue  # somebody else changed the record first: look again
             TAKEOVERS.labels(_takeover_reason(action, record, reservation.now)).inc()
             if action is Action.ABANDONED and config.on_ambiguous is OnAmbiguous.FAIL:
-                await self._settle_abandoned(request, taken)
+                await self._settle_abandoned(request, taken, sent_at)
                 return
-            await self._execute(request, taken)
+            await self._execute(request, taken, sent_at)
             return
         note_outcome(request.scope, RequestOutcome.CONFLICT_IN_FLIGHT)
         raise RequestInFlight(
@@ -170,7 +176,9 @@ class IdempotencyEngine:
             retry_after=IN_FLIGHT_RETRY_AFTER,
         )
 
-    async def _settle_abandoned(self, request: KeyedRequest, record: Record) -> None:
+    async def _settle_abandoned(
+        self, request: KeyedRequest, record: Record, sent_at: float
+    ) -> None:
         """An owner died mid-flight: record that the outcome is unknown, never execute twice."""
         note_outcome(request.scope, RequestOutcome.OUTCOME_UNKNOWN)
         log.warning(
@@ -184,7 +192,7 @@ class IdempotencyEngine:
                 "after checking the resource's state."
             ),
         )
-        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
+        run = self._owner_run(request, record, sent_at)
         recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
         await send_stored(
             request.send,
@@ -194,31 +202,42 @@ class IdempotencyEngine:
         # Waiters re-read the store whatever happened; waking them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
 
-    async def _execute(self, request: KeyedRequest, record: Record) -> None:
+    async def _execute(self, request: KeyedRequest, record: Record, sent_at: float) -> None:
         note_outcome(request.scope, RequestOutcome.EXECUTED)
-        task = asyncio.create_task(self._run_owner(request, record))
+        task = asyncio.create_task(
+            self._run_owner(request, self._owner_run(request, record, sent_at))
+        )
         self.executions.add(task)
         task.add_done_callback(self.executions.discard)
         # shield: a disconnecting client cancels this await, never the execution itself.
         await asyncio.shield(task)
 
-    async def _run_owner(self, request: KeyedRequest, record: Record) -> None:
-        execution = Execution(record.key.idempotency_key, record.fencing_token)
+    def _owner_run(self, request: KeyedRequest, record: Record, sent_at: float) -> OwnerRun:
+        config = request.config
+        return OwnerRun(self.store, record, lease=config.lease, ttl=config.ttl, sent_at=sent_at)
+
+    async def _run_owner(self, request: KeyedRequest, run: OwnerRun) -> None:
+        record = run.record
+        execution = Execution(record.key.idempotency_key, record.fencing_token, run.lease)
         inner_scope = dict(request.scope)
         inner_scope["headers"] = [
             *(pair for pair in request.scope["headers"] if pair[0] != FENCING_TOKEN_HEADER),
             (FENCING_TOKEN_HEADER, str(record.fencing_token).encode()),
         ]
         inner_scope["state"] = {**request.scope.get("state", {}), STATE_KEY: execution}
-        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
         capture = ResponseCapture(
             request.send,
             max_stored_body=request.config.max_stored_body,
             error_format=request.config.error_format,
         )
+        failure: GatewayError = OutcomeUnknown("the app failed")
         async with run.heartbeat():
             try:
                 await self.app(inner_scope, replay_receive(request.body), capture.send)
+            except LeaseNotConfirmed as refusal:
+                # A library app that stopped before its side effect, as it should: the
+                # execution has already reported whether anything had left.
+                failure = refusal
             except Exception:
                 log.exception("the app failed while executing an idempotent request")
                 execution.report(Outcome.AMBIGUOUS)
@@ -230,7 +249,7 @@ class IdempotencyEngine:
         recorded, published = await self._record(request, run, status, answer)
         if recorded:
             # An app that raised before answering: the client gets what every retry will see.
-            instead = answer or request.problem(OutcomeUnknown("the app failed"))
+            instead = answer or request.problem(failure)
         else:
             # Fenced off, or the store is down: this answer is not the key's answer of record
             # (a newer owner's may be, or an "outcome unknown" later), so the client must not

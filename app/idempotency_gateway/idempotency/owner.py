@@ -10,7 +10,8 @@ import os
 import secrets
 from collections.abc import AsyncIterator
 
-from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.errors import LeaseNotConfirmed, StoreUnavailable
+from idempotency_gateway.idempotency.lease import Lease
 from idempotency_gateway.idempotency.record import Fence, Record, Status, StoredResponse
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.telemetry.metrics import FENCED_WRITES
@@ -42,12 +43,17 @@ new_owner_id = _OwnerIds().next
 
 
 class OwnerRun:
-    def __init__(self, store: RecordStore, record: Record, *, lease: float, ttl: float) -> None:
+    """``sent_at``: the lease clock's reading taken before the statement that granted the
+    lease (reserve or take-over) was sent; the lease is trusted from there (``Lease``)."""
+
+    def __init__(
+        self, store: RecordStore, record: Record, *, lease: float, ttl: float, sent_at: float
+    ) -> None:
         self.store = store
         self.record = record
-        self.lease = lease
         self.ttl = ttl
         self.fence = Fence(record.owner_id, record.fencing_token)
+        self.lease = Lease(store, record.key, self.fence, length=lease, sent_at=sent_at)
         self.fenced = False
 
     @contextlib.asynccontextmanager
@@ -103,7 +109,7 @@ class _Heartbeat:
 
     def __init__(self, run: OwnerRun) -> None:
         self._run = run
-        self._interval = run.lease / 3
+        self._interval = run.lease.length / 3
         self._loop = asyncio.get_running_loop()
         self._renewal: asyncio.Task[None] | None = None
         self._stopped = False
@@ -115,13 +121,17 @@ class _Heartbeat:
     async def _renew(self) -> None:
         run = self._run
         try:
-            renewed = await run.store.renew_lease(run.record.key, run.fence, lease=run.lease)
-        except StoreUnavailable:
-            log.warning("lease renewal failed: store unavailable; will try again")
-            renewed = True
-        if not renewed:
-            run._note_fenced("lease renewal")
-            return
+            await run.lease.renew()
+        except LeaseNotConfirmed as refusal:
+            if refusal.fenced:
+                run._note_fenced("lease renewal")
+                return
+            # Not renewed, so no longer trusted: the execution sends nothing more until a
+            # confirmation succeeds, and this timer keeps trying.
+            log.warning(
+                "lease renewal failed (%s); the execution sends nothing more until one succeeds",
+                type(refusal.__cause__).__name__,
+            )
         if not self._stopped:
             self._timer = self._loop.call_later(self._interval, self._due)
 

@@ -327,9 +327,9 @@ class RecordStore(ABC):
     @abstractmethod
     async def take_over(self, seen: Record, claim: Claim) -> Record | None:
         """Claim ``seen`` for a new execution, only if nobody changed it since it was read
-        and no owner holds a live lease on it. An expired record starts a new life (token
-        1, new TTL); a retryable or abandoned one keeps its history and bumps the fencing
-        token, so the old owner is fenced off."""
+        and no owner holds a live lease on it. An expired record starts a new life (new TTL,
+        attempts from 1); a retryable or abandoned one keeps its history. Either way the new
+        owner's token is the database's next, so the old owner is fenced off."""
 
     @abstractmethod
     async def renew_lease(self, key: RecordKey, fence: Fence, *, lease: float) -> bool:

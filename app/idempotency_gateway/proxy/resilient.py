@@ -7,7 +7,9 @@ Ambiguous failures (timeouts, lost connections, 502/504) are retried only where 
 says ``on_ambiguous: retry`` (the upstream dedupes on the key) or the method is safe.
 Every attempt and every pause stays inside the request's deadline, and retries spend the
 upstream's retry budget and need a free slot of its bulkhead. Each decision is logged with
-its reason.
+its reason. A keyed execution's lease is confirmed afresh (one round trip) after every pause,
+and before each attempt by the client: ``LeaseNotConfirmed`` ends the loop at once, is never
+retried, and tells the breaker nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from idempotency_gateway.errors import (
     UpstreamRequestRefused,
     UpstreamTimeout,
 )
+from idempotency_gateway.execution import Execution
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
@@ -135,13 +138,15 @@ class ResilientUpstream:
         deadline: Deadline,
         plan: RetryPlan,
         request_log: RequestLog | None = None,
+        execution: Execution | None = None,
     ) -> UpstreamResponse:
-        """The response to stream back (the caller releases it), or the last failure."""
+        """The response to stream back (the caller releases it), or the last failure.
+        ``execution``: the keyed execution whose lease every attempt must hold."""
         self.budget.record_request()
         retry_slot = RetrySlot(self.bulkhead)
         try:
             return await self._attempts_until_answer(
-                make_request, deadline, plan, request_log, retry_slot
+                make_request, deadline, plan, request_log, retry_slot, execution
             )
         finally:
             retry_slot.give_back()
@@ -153,6 +158,7 @@ class ResilientUpstream:
         plan: RetryPlan,
         request_log: RequestLog | None,
         retry_slot: RetrySlot,
+        execution: Execution | None,
     ) -> UpstreamResponse:
         attempt = 0
         while True:
@@ -175,7 +181,7 @@ class ResilientUpstream:
             with trial:
                 try:
                     response = await self.client.open(
-                        make_request(head_within), head_within=head_within
+                        make_request(head_within), head_within=head_within, execution=execution
                     )
                 except UpstreamError as error:
                     trial.settle(failure=self._error_is_failure(error))
@@ -183,7 +189,7 @@ class ResilientUpstream:
                     reason = self._why_not_retry_error(error, plan)
                     if reason is None:
                         reason = await self._pause_before_retry(
-                            attempt, None, deadline, retry_slot, str(error)
+                            attempt, None, deadline, retry_slot, str(error), execution=execution
                         )
                     if reason is not None:
                         self._log_final(attempt, type(error).__name__, reason)
@@ -201,6 +207,7 @@ class ResilientUpstream:
                     retry_slot,
                     f"status {response.status}",
                     response,
+                    execution=execution,
                 )
             if reason is not None:
                 # Plain answers (2xx, 404) need no explanation; a retryable status that was
@@ -242,8 +249,12 @@ class ResilientUpstream:
         retry_slot: RetrySlot,
         cause: str,
         response: UpstreamResponse | None = None,
+        *,
+        execution: Execution | None,
     ) -> str | None:
-        """Sleep before the next attempt; or say why there will be none."""
+        """Sleep before the next attempt; or say why there will be none. After the pause the
+        execution's lease is confirmed with a round trip, whatever the clock says: the owner
+        may have stalled, or been fenced, while it waited."""
         if attempt >= self.retry.max_attempts:
             return f"max_attempts ({self.retry.max_attempts}) reached"
         delay = pause_before_retry(
@@ -272,6 +283,8 @@ class ResilientUpstream:
             delay,
         )
         await self._sleep(delay)
+        if execution is not None:
+            await execution.confirm(fresh=True)
         return None
 
     def _measure(self, started: float, result: str) -> None:
