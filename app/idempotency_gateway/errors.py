@@ -23,6 +23,7 @@ translated into this tree in one place each: ``proxy`` (its client, connection a
     ├── UnexpectedError                 a bug in the gateway (500), never a plain-text page
     ├── TooManyConnections              the worker's connection cap is reached (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
+    │   └── StoreReadOnly                 the database refuses writes (a standby)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
         ├── UpstreamNotSent               the request never left: safe to execute again (502)
@@ -171,6 +172,13 @@ class StoreUnavailable(GatewayError):
     title = "Idempotency store unavailable"
     retryable = True
     retry_after = 1
+
+
+class StoreReadOnly(StoreUnavailable):
+    """The database answers but refuses writes: a standby after a failover, or a database
+    set read-only."""
+
+    title = "Idempotency store is read-only"
 
 
 class AdminError(GatewayError):
