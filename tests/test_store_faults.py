@@ -22,19 +22,25 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
+from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.idempotency.record import RecordKey, Status
 from idempotency_gateway.idempotency.store import asyncpg_dsn_of
 from idempotency_gateway.telemetry.metrics import FENCED_WRITES
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import GatewayLauncher, RunningGateway, route
-from tests.support.keyed import is_replay, keyed_gateway_config, record_key, send_keyed
+from tests.support.keyed import (
+    assert_replays,
+    is_replay,
+    keyed_gateway_config,
+    record_key,
+    send_keyed,
+)
 from tests.support.problems import problem_slug
 from tests.support.tcp_proxy import TcpProxy
 
@@ -42,6 +48,8 @@ from tests.support.tcp_proxy import TcpProxy
 LONG_LEASE = "30s"
 # The outage the finalize must outlast: longer than the old retry budget (about 0.6 s).
 OUTAGE = 3.0
+# A gateway process starts slowly on a busy machine; waiting for it is no timed assertion.
+STARTUP = 60.0
 
 _KEY_MATCHES = "scope = $1 AND operation = $2 AND idempotency_key = $3"
 
@@ -74,7 +82,7 @@ async def _gateway_behind(
     *,
     lease: str,
 ) -> RunningGateway:
-    config = keyed_gateway_config(upstream.url, routes=[route("/", key="required", lease=lease)])
+    config = _config(upstream, lease=lease)
     return await launcher.start(config, database_url=database.rewrite_url(postgres_url))
 
 
@@ -111,9 +119,17 @@ async def _blocked_by(watcher: asyncpg.Connection, holder_pid: int) -> bool:
     return bool(waiting)
 
 
-def _config(upstream: RecordingUpstream, *, lease: str) -> dict[str, Any]:
-    config = keyed_gateway_config(upstream.url, routes=[route("/", key="required", lease=lease)])
-    return config.model_dump(mode="json")
+async def _executing(
+    gateway: RunningGateway, upstream: RecordingUpstream, key: str
+) -> asyncio.Task[httpx.Response]:
+    """A keyed request whose execution waits at the upstream until ``release("run")``."""
+    answer = asyncio.create_task(send_keyed(gateway.client, key, behavior="gate=run"))
+    await upstream.wait_arrived("run")
+    return answer
+
+
+def _config(upstream: RecordingUpstream, *, lease: str) -> GatewayConfig:
+    return keyed_gateway_config(upstream.url, routes=[route("/", key="required", lease=lease)])
 
 
 async def test_an_executed_answer_survives_a_store_outage_shorter_than_the_lease(
@@ -129,8 +145,7 @@ async def test_an_executed_answer_survives_a_store_outage_shorter_than_the_lease
         gateway = await _gateway_behind(
             launcher, upstream, database, postgres_url, lease=LONG_LEASE
         )
-        answer = asyncio.create_task(send_keyed(gateway.client, key, behavior="gate=run"))
-        await upstream.wait_arrived("run")
+        answer = await _executing(gateway, upstream, key)
         await database.cut()
         cut_at = loop.time()
         upstream.release("run")
@@ -149,10 +164,7 @@ async def test_an_executed_answer_survives_a_store_outage_shorter_than_the_lease
         row = await _row(direct, record_key(key))
         assert row is not None
         assert row["status"] == Status.SUCCEEDED.value
-        replay = await send_keyed(gateway.client, key)
-        assert is_replay(replay)
-        assert replay.json() == response.json()
-        assert upstream.count(key) == 1
+        await assert_replays(gateway.client, key, response, upstream)
 
 
 async def test_an_answer_the_store_cannot_record_within_the_lease_is_replaced_whole(
@@ -164,8 +176,7 @@ async def test_an_answer_the_store_cannot_record_within_the_lease_is_replaced_wh
     key = unique("past-lease")
     async with GatewayLauncher() as launcher:
         gateway = await _gateway_behind(launcher, upstream, database, postgres_url, lease="1s")
-        answer = asyncio.create_task(send_keyed(gateway.client, key, behavior="gate=run"))
-        await upstream.wait_arrived("run")
+        answer = await _executing(gateway, upstream, key)
         await database.cut()
         upstream.release("run")
         # Never the upstream's 201 head followed by a closed connection: a whole problem.
@@ -187,22 +198,23 @@ async def test_a_reserve_that_committed_after_its_request_failed_is_released_and
 ) -> None:
     key = unique("orphan")
     record = record_key(key)
-    config = write_config(tmp_path, _config(upstream, lease=LONG_LEASE))
+    config = write_config(tmp_path, _config(upstream, lease=LONG_LEASE).model_dump(mode="json"))
     behind = GatewayProcess(
         config,
         env={"GATEWAY_DATABASE_URL": database.rewrite_url(postgres_url)},
         log_dir=tmp_path,
         name="behind-the-cut",
-    )
-    beside = GatewayProcess(
-        config, env={"GATEWAY_DATABASE_URL": postgres_url}, log_dir=tmp_path, name="beside"
+        startup_timeout=STARTUP,
     )
     async with (
         behind,
-        beside,
+        GatewayLauncher() as launcher,
         httpx.AsyncClient(base_url=behind.url, timeout=30.0, trust_env=False) as on_behind,
-        httpx.AsyncClient(base_url=beside.url, timeout=30.0, trust_env=False) as on_beside,
     ):
+        beside = await launcher.start(
+            _config(upstream, lease=LONG_LEASE), database_url=postgres_url
+        )
+        on_beside = beside.client
         # The reserve waits on a row the test inserts and has not committed yet.
         blocker = direct.transaction()
         await blocker.start()
@@ -237,10 +249,7 @@ async def test_a_reserve_that_committed_after_its_request_failed_is_released_and
         executed = await send_keyed(on_beside, key)
         assert executed.status_code == 201, executed.text
         assert not is_replay(executed)
-        replayed = await send_keyed(on_behind, key)
-        assert is_replay(replayed)
-        assert replayed.json() == executed.json()
-    assert upstream.count(key) == 1
+        await assert_replays(on_behind, key, executed, upstream)
 
 
 async def test_a_finalize_that_committed_but_lost_its_answer_is_not_counted_as_fenced(
@@ -257,8 +266,7 @@ async def test_a_finalize_that_committed_but_lost_its_answer_is_not_counted_as_f
         gateway = await _gateway_behind(
             launcher, upstream, database, postgres_url, lease=LONG_LEASE
         )
-        answer = asyncio.create_task(send_keyed(gateway.client, key, behavior="gate=run"))
-        await upstream.wait_arrived("run")
+        answer = await _executing(gateway, upstream, key)
         # The finalize waits on a row lock the test holds.
         holder = direct.transaction()
         await holder.start()

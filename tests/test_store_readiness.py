@@ -4,7 +4,8 @@ a gateway that cannot get a connection of its own says it is not ready (and answ
 requests with a clear 503); on a read-only database (a failover onto a standby) readiness
 fails and keyed requests get a 503 that says so, with no driver's class name in it.
 
-Each test runs real gateway processes on a PostgreSQL database and role of its own: the
+Each test runs real gateways (a process of its own, or served in the test's process) on a
+PostgreSQL database and role of its own: the
 role's connection limit stands for the server's, and ``default_transaction_read_only`` on the
 database stands for a standby, so nothing the other tests share is touched.
 """
@@ -19,10 +20,12 @@ from pathlib import Path
 import asyncpg
 import httpx
 
+from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.idempotency.store import asyncpg_dsn_of
 from idempotency_gateway.migrate import upgrade_to_head_async
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
-from tests.support.keyed import is_replay, keyed_gateway_config, send_keyed
+from tests.support.gateway import GatewayLauncher, RunningGateway
+from tests.support.keyed import assert_replays, keyed_gateway_config, send_keyed
 from tests.support.problems import problem_slug
 
 # Per gateway process: the request path's pool (all of it opened at startup) and the admin
@@ -71,12 +74,22 @@ async def every_free_slot(url: str) -> AsyncIterator[int]:
             await connection.close()
 
 
-def _gateway(tmp_path: Path, upstream: RecordingUpstream, url: str, name: str) -> GatewayProcess:
-    config = keyed_gateway_config(
+def _config(upstream: RecordingUpstream) -> GatewayConfig:
+    return keyed_gateway_config(
         upstream.url, store={"pool_size": REQUEST_POOL, "pool_min_size": REQUEST_POOL}
     )
+
+
+def _admin_of(gateway: RunningGateway) -> httpx.AsyncClient:
+    """The admin API of a gateway served in the test's own process."""
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gateway.app.admin), base_url="http://admin"
+    )
+
+
+def _gateway(tmp_path: Path, upstream: RecordingUpstream, url: str, name: str) -> GatewayProcess:
     return GatewayProcess(
-        write_config(tmp_path, config.model_dump(mode="json"), name=f"{name}.yaml"),
+        write_config(tmp_path, _config(upstream).model_dump(mode="json"), name=f"{name}.yaml"),
         env={"GATEWAY_DATABASE_URL": url},
         log_dir=tmp_path,
         name=name,
@@ -114,6 +127,7 @@ async def test_at_the_connection_limit_the_request_path_has_its_connections_firs
     key = unique("at-the-limit")
     async with (
         private_database(postgres_url, connection_limit=CONNECTION_LIMIT) as url,
+        GatewayLauncher() as launcher,
         contextlib.AsyncExitStack() as stack,
     ):
         first = await stack.enter_async_context(_gateway(tmp_path, upstream, url, "first"))
@@ -126,20 +140,16 @@ async def test_at_the_connection_limit_the_request_path_has_its_connections_firs
             assert executed.status_code == 201, executed.text
             assert (await first_admin.get("/readyz")).status_code == 200
 
-            second = await stack.enter_async_context(_gateway(tmp_path, upstream, url, "second"))
-            on_second = await stack.enter_async_context(_client(second.url))
-            second_admin = await stack.enter_async_context(_client(second.admin_url))
+            second = await launcher.start(_config(upstream), database_url=url)
+            on_second = second.client
+            second_admin = await stack.enter_async_context(_admin_of(second))
             not_ready = await second_admin.get("/readyz")
             assert not_ready.status_code == 503, not_ready.text
             assert not_ready.json()["store"] == "down"
             _assert_clear_store_problem(await send_keyed(on_second, key))
         # The slots are free again: the second gateway gets connections of its own.
         await eventually(_readiness(second_admin, 200), timeout=STARTUP)
-        replayed = await send_keyed(on_second, key)
-    assert replayed.status_code == 201
-    assert is_replay(replayed)
-    assert replayed.json() == executed.json()
-    assert upstream.count(key) == 1
+        await assert_replays(on_second, key, executed, upstream)
 
 
 async def test_a_read_only_database_fails_readiness_and_keyed_requests_say_why(
@@ -150,6 +160,7 @@ async def test_a_read_only_database_fails_readiness_and_keyed_requests_say_why(
 ) -> None:
     async with (
         private_database(postgres_url, connection_limit=-1) as url,
+        GatewayLauncher() as launcher,
         contextlib.AsyncExitStack() as stack,
     ):
         database = url.rpartition("/")[2]
@@ -166,9 +177,9 @@ async def test_a_read_only_database_fails_readiness_and_keyed_requests_say_why(
                 database,
             )
 
-        gateway = await stack.enter_async_context(_gateway(tmp_path, upstream, url, "gateway"))
-        client = await stack.enter_async_context(_client(gateway.url))
-        readiness = await stack.enter_async_context(_client(gateway.admin_url))
+        gateway = await launcher.start(_config(upstream), database_url=url)
+        client = gateway.client
+        readiness = await stack.enter_async_context(_admin_of(gateway))
         await eventually(_readiness(readiness, 200), timeout=STARTUP)
 
         await fail_over(read_only=True)
