@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -41,6 +42,7 @@ from tests.support.keyed import (
     record_key,
     send_keyed,
 )
+from tests.support.pgbouncer import PgBouncer
 from tests.support.problems import problem_slug
 from tests.support.tcp_proxy import TcpProxy
 
@@ -78,12 +80,14 @@ async def _gateway_behind(
     launcher: GatewayLauncher,
     upstream: RecordingUpstream,
     database: TcpProxy,
-    postgres_url: str,
+    store_url: str,
     *,
     lease: str,
+    **settings: Any,
 ) -> RunningGateway:
-    config = _config(upstream, lease=lease)
-    return await launcher.start(config, database_url=database.rewrite_url(postgres_url))
+    """A gateway whose store is ``store_url`` reached through ``database``."""
+    config = _config(upstream, lease=lease, **settings)
+    return await launcher.start(config, database_url=database.rewrite_url(store_url))
 
 
 async def _row(connection: asyncpg.Connection, key: RecordKey) -> asyncpg.Record | None:
@@ -128,22 +132,35 @@ async def _executing(
     return answer
 
 
-def _config(upstream: RecordingUpstream, *, lease: str) -> GatewayConfig:
-    return keyed_gateway_config(upstream.url, routes=[route("/", key="required", lease=lease)])
+def _config(upstream: RecordingUpstream, *, lease: str, **settings: Any) -> GatewayConfig:
+    return keyed_gateway_config(
+        upstream.url, routes=[route("/", key="required", lease=lease)], **settings
+    )
 
 
+@pytest.mark.parametrize("through", ["postgresql", "pgbouncer"])
 async def test_an_executed_answer_survives_a_store_outage_shorter_than_the_lease(
+    through: str,
     postgres_url: str,
     upstream: RecordingUpstream,
-    database: TcpProxy,
     direct: asyncpg.Connection,
     unique: Callable[[str], str],
 ) -> None:
     key = unique("outage")
     loop = asyncio.get_running_loop()
-    async with GatewayLauncher() as launcher:
+    async with contextlib.AsyncExitStack() as stack, GatewayLauncher() as launcher:
+        if through == "pgbouncer":
+            # PgBouncer (transaction mode) is what goes away, PostgreSQL stays up.
+            bouncer = stack.enter_context(PgBouncer(postgres_url))
+            store_url, settings = bouncer.url, {"store": {"prepared_statements": False}}
+        else:
+            store_url, settings = postgres_url, {}
+        target = make_url(store_url)
+        database = await stack.enter_async_context(
+            TcpProxy(target.host or "127.0.0.1", target.port or 5432)
+        )
         gateway = await _gateway_behind(
-            launcher, upstream, database, postgres_url, lease=LONG_LEASE
+            launcher, upstream, database, store_url, lease=LONG_LEASE, **settings
         )
         answer = await _executing(gateway, upstream, key)
         await database.cut()
@@ -291,3 +308,34 @@ async def test_a_finalize_that_committed_but_lost_its_answer_is_not_counted_as_f
     assert response.json()["key"] == key
     assert FENCED_WRITES.labels("finalize")._value.get() == fenced_before
     assert upstream.count(key) == 1
+
+
+async def test_a_fenced_off_owner_hands_its_client_the_answer_of_record_whole(
+    postgres_url: str,
+    upstream: RecordingUpstream,
+    database: TcpProxy,
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("fenced-off")
+    async with GatewayLauncher() as launcher:
+        cut_off = await _gateway_behind(launcher, upstream, database, postgres_url, lease="1s")
+        beside = await launcher.start(_config(upstream, lease="1s"), database_url=postgres_url)
+        answer = await _executing(cut_off, upstream, key)
+        # The owner cannot renew; once its lease is over a duplicate takes the record over
+        # and settles it as "outcome unknown" (on_ambiguous: fail).
+        await database.cut()
+        settled = await eventually(lambda: _answered(beside, key, 504), timeout=15.0)
+        await database.restore()
+        upstream.release("run")
+        response = await answer
+
+    # Not the upstream's 201, which is not the key's answer, and not a head cut short.
+    assert response.status_code == 504, response.text
+    assert is_replay(response)
+    assert response.json() == settled.json()
+    assert upstream.count(key) == 1
+
+
+async def _answered(gateway: RunningGateway, key: str, status: int) -> httpx.Response | None:
+    response = await send_keyed(gateway.client, key)
+    return response if response.status_code == status else None
