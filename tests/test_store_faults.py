@@ -132,6 +132,21 @@ async def _executing(
     return answer
 
 
+async def _executing_cut_off(
+    launcher: GatewayLauncher,
+    upstream: RecordingUpstream,
+    database: TcpProxy,
+    postgres_url: str,
+    key: str,
+) -> asyncio.Task[httpx.Response]:
+    """A keyed request executing on a gateway with a 1 s lease, whose store link is cut
+    while the upstream holds the request."""
+    gateway = await _gateway_behind(launcher, upstream, database, postgres_url, lease="1s")
+    answer = await _executing(gateway, upstream, key)
+    await database.cut()
+    return answer
+
+
 def _config(upstream: RecordingUpstream, *, lease: str, **settings: Any) -> GatewayConfig:
     return keyed_gateway_config(
         upstream.url, routes=[route("/", key="required", lease=lease)], **settings
@@ -192,9 +207,7 @@ async def test_an_answer_the_store_cannot_record_within_the_lease_is_replaced_wh
 ) -> None:
     key = unique("past-lease")
     async with GatewayLauncher() as launcher:
-        gateway = await _gateway_behind(launcher, upstream, database, postgres_url, lease="1s")
-        answer = await _executing(gateway, upstream, key)
-        await database.cut()
+        answer = await _executing_cut_off(launcher, upstream, database, postgres_url, key)
         upstream.release("run")
         # Never the upstream's 201 head followed by a closed connection: a whole problem.
         response = await answer
@@ -318,12 +331,10 @@ async def test_a_fenced_off_owner_hands_its_client_the_answer_of_record_whole(
 ) -> None:
     key = unique("fenced-off")
     async with GatewayLauncher() as launcher:
-        cut_off = await _gateway_behind(launcher, upstream, database, postgres_url, lease="1s")
         beside = await launcher.start(_config(upstream, lease="1s"), database_url=postgres_url)
-        answer = await _executing(cut_off, upstream, key)
+        answer = await _executing_cut_off(launcher, upstream, database, postgres_url, key)
         # The owner cannot renew; once its lease is over a duplicate takes the record over
         # and settles it as "outcome unknown" (on_ambiguous: fail).
-        await database.cut()
         settled = await eventually(lambda: _answered(beside, key, 504), timeout=15.0)
         await database.restore()
         upstream.release("run")
