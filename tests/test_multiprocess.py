@@ -4,8 +4,8 @@ Each test launches ``python -m idempotency_gateway.cli serve`` subprocesses that
 database and proxy to a RecordingUpstream in the test's loop. They prove that a same-key storm
 spread over processes (or over the workers of one process) executes once; that a stalled owner
 (SIGSTOP) is fenced off when another process takes its record over, under both ``on_ambiguous``
-policies (its own client gets its answer cut short, never an answer the record does not
-hold, and the retry replays the record's); and that a killed owner (SIGKILL) leaves a
+policies (its own client gets the answer of record, whole, never an answer the record
+does not hold, and every retry replays the record's); and that a killed owner (SIGKILL) leaves a
 stored "outcome unknown" answer instead of a second execution or a key stuck at 409.
 """
 
@@ -263,13 +263,18 @@ async def stalled_owner(
 
 
 async def assert_owner_was_fenced(
-    owner_request: asyncio.Task[httpx.Response], owner: GatewayProcess
+    owner_request: asyncio.Task[httpx.Response],
+    owner: GatewayProcess,
+    of_record: httpx.Response,
 ) -> None:
     """The resumed owner lost its finalize to the takeover's fencing token: rather than
-    deliver an answer that is not the record's, it cuts its client's answer short, and it
-    logs the fenced finalize."""
-    with pytest.raises(httpx.RemoteProtocolError):
-        await owner_request
+    deliver an answer that is not the record's (it held that answer whole, so nothing of it
+    went out), it hands its client the answer of record as a replay, and it logs the fenced
+    finalize."""
+    answer = await owner_request
+    assert answer.status_code == of_record.status_code, answer.text
+    assert answer.headers.get("idempotent-replayed") == "true"
+    assert answer.json() == of_record.json()
     await eventually(
         lambda: "fenced finalize" in owner.log_text(),
         message="the stalled owner logs its fenced finalize",
@@ -297,8 +302,8 @@ async def test_stalled_owner_is_fenced_when_retry_policy_executes_again(
         assert taken_over.json()["fencing_token"] == taken_token
 
     # The stalled owner's write is fenced off: the record keeps the takeover's answer, so
-    # the owner cuts its own client's answer (execution 1) short instead of completing it...
-    await assert_owner_was_fenced(owner_request, gateway_a)
+    # the owner hands its own client that answer instead of execution 1's...
+    await assert_owner_was_fenced(owner_request, gateway_a, taken_over)
     # ...and that client's retry, like every other, gets the answer of record.
     await assert_replays(client, [gateway_a.url, gateway_b.url], key, taken_over)
     assert upstream.count(key) == 2
@@ -321,8 +326,8 @@ async def test_stalled_owner_is_fenced_when_fail_policy_stores_outcome_unknown(
         # From now on every retry gets the stored 504, never a 409.
         await assert_replays(client, [gateway_b.url], key, taken_over)
 
-    # Execution 1's answer is not the record's: its client gets it cut short, never whole.
-    await assert_owner_was_fenced(owner_request, gateway_a)
+    # Execution 1's answer is not the record's: its client gets the stored 504 instead.
+    await assert_owner_was_fenced(owner_request, gateway_a, taken_over)
     await assert_replays(client, [gateway_a.url, gateway_b.url], key, taken_over)
     assert upstream.count(key) == 1
 

@@ -403,8 +403,13 @@ class SweeperConfig(_Model):
 
 class StoreConfig(_Model):
     pool_size: int = Field(10, ge=1, le=1000)
+    # Request-path connections opened at startup and kept (PostgreSQL): at the server's
+    # connection limit the request path has them before any admin or background path.
+    pool_min_size: int = Field(2, ge=0, le=1000)
     connect_timeout: Duration = 2.0
     statement_timeout: Duration = 2.0
+    # The fewest tries at recording an outcome while the store does not answer; tries go on
+    # until the owner's lease runs out.
     finalize_attempts: int = Field(3, ge=1, le=20)
     # Named prepared statements, each prepared once per connection: less parsing and planning
     # per request. Turn off behind PgBouncer in transaction mode, which cannot keep them.

@@ -24,6 +24,7 @@ translated into this tree in one place each: ``proxy`` (its client, connection a
     ├── TooManyConnections              the worker's connection cap is reached (503)
     ├── CapacityExhausted               a bulkhead is full: refused before anything ran (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
+    │   └── StoreReadOnly                 the database refuses writes (a standby)
     ├── LeaseNotConfirmed               the owner could not confirm its lease: nothing sent (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
@@ -185,6 +186,13 @@ class StoreUnavailable(GatewayError):
     title = "Idempotency store unavailable"
     retryable = True
     retry_after = 1
+
+
+class StoreReadOnly(StoreUnavailable):
+    """The database answers but refuses writes: a standby after a failover, or a database
+    set read-only."""
+
+    title = "Idempotency store is read-only"
 
 
 class LeaseNotConfirmed(GatewayError):

@@ -210,6 +210,8 @@ class Gateway:
         if self.store.engine.dialect.name == "sqlite":
             # The embedded store belongs to this gateway alone: keep its schema current.
             await upgrade_to_head_async(self.database_url)
+        # Before anything else touches the database: the request path's connections first.
+        await self.store.start()
         for client in self.clients.values():
             await client.start()
         for name in self.upstreams:
@@ -237,6 +239,7 @@ class Gateway:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.idempotency.close()
         for client in self.clients.values():
             await client.close()
         await self.wakeups.close()

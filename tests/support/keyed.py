@@ -20,6 +20,7 @@ from idempotency_gateway.idempotency.record import RecordKey
 from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.gateway import gateway_config, route
 from tests.support.servers import TEST_SCOPE_SECRET
+from tests.support.upstream import RecordingUpstream
 
 AUTHORIZATION = "Bearer sk_test_keyed_requests"
 
@@ -63,3 +64,14 @@ async def send_keyed(
 
 def is_replay(response: httpx.Response) -> bool:
     return bool(response.headers.get(REPLAYED) == "true")
+
+
+async def assert_replays(
+    client: httpx.AsyncClient, key: str, first: httpx.Response, upstream: RecordingUpstream
+) -> None:
+    """A duplicate through ``client`` gets ``first`` replayed, and ``key`` executed once."""
+    replayed = await send_keyed(client, key)
+    assert replayed.status_code == first.status_code, replayed.text
+    assert is_replay(replayed)
+    assert replayed.json() == first.json()
+    assert upstream.count(key) == 1

@@ -23,11 +23,13 @@ from idempotency_gateway.errors import (
     LeaseNotConfirmed,
     OutcomeUnknown,
     RequestInFlight,
+    StoreReadOnly,
     StoreUnavailable,
 )
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
 from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache
 from idempotency_gateway.idempotency.machine import Action, classify, decide
+from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.policy import RoutePolicy
 from idempotency_gateway.idempotency.record import (
@@ -98,12 +100,17 @@ class IdempotencyEngine:
         cache: ReplayCache,
         wakeups: Wakeups,
         finalize_attempts: int,
+        orphans: OrphanReleases | None,
     ) -> None:
+        """``orphans``: where a claim whose outcome the store never reported goes to be
+        released (``None``: left to its lease, for a caller that may still send the request
+        without the store)."""
         self.app = app
         self.store = store
         self.cache = cache
         self.wakeups = wakeups
         self.finalize_attempts = finalize_attempts
+        self.orphans = orphans
         # Executions run as tasks of their own so a client disconnect cannot cancel them;
         # kept here so shutdown can wait for them and the loop cannot drop them.
         self.executions: set[asyncio.Task[None]] = set()
@@ -130,7 +137,11 @@ class IdempotencyEngine:
             # Read before each statement that may grant a lease: the lease is trusted from
             # the moment the grant was sent (``lease.Lease``).
             sent_at = lease_clock()
-            reservation = await self.store.reserve(request.key, claim)
+            try:
+                reservation = await self.store.reserve(request.key, claim)
+            except StoreUnavailable as error:
+                self._orphaned(request, claim, error)
+                raise
             if reservation.reserved:
                 await self._execute(request, reservation.record, sent_at)
                 return
@@ -161,7 +172,14 @@ class IdempotencyEngine:
                     retry_after=IN_FLIGHT_RETRY_AFTER,
                 )
             sent_at = lease_clock()
-            taken = await self.store.take_over(record, claim)
+            try:
+                taken = await self.store.take_over(record, claim)
+            except StoreUnavailable as error:
+                # An abandoned record is left to its lease: released, it would no longer
+                # say that its earlier owner may have executed.
+                if action is not Action.ABANDONED:
+                    self._orphaned(request, claim, error)
+                raise
             if taken is None:
                 continue  # somebody else changed the record first: look again
             TAKEOVERS.labels(_takeover_reason(action, record, reservation.now)).inc()
@@ -175,6 +193,13 @@ class IdempotencyEngine:
             "the record for this Idempotency-Key is changing hands; retry shortly",
             retry_after=IN_FLIGHT_RETRY_AFTER,
         )
+
+    def _orphaned(self, request: KeyedRequest, claim: Claim, error: StoreUnavailable) -> None:
+        """A claim that failed on the gateway may still commit: its owner, which will never
+        send the request, has it released once the store answers again. A read-only
+        database refused the write, so nothing is left to release."""
+        if self.orphans is not None and not isinstance(error, StoreReadOnly):
+            self.orphans.add(request.key, claim.owner_id, ttl=claim.ttl)
 
     async def _settle_abandoned(
         self, request: KeyedRequest, record: Record, sent_at: float
@@ -194,11 +219,11 @@ class IdempotencyEngine:
         )
         run = self._owner_run(request, record, sent_at)
         recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
-        await send_stored(
-            request.send,
-            answer if recorded else self._not_of_record(request, run),
-            replayed=False,
-        )
+        if recorded:
+            await send_stored(request.send, answer, replayed=False)
+        else:
+            instead, replayed = self._not_of_record(request, run)
+            await send_stored(request.send, instead, replayed=replayed)
         # Waiters re-read the store whatever happened; waking them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
 
@@ -247,6 +272,7 @@ class IdempotencyEngine:
         status = classify(capture.status or 500, execution.outcome, request.config)
         answer = self._answer_to_store(request, capture, status)
         recorded, published = await self._record(request, run, status, answer)
+        replayed = False
         if recorded:
             # An app that raised before answering: the client gets what every retry will see.
             instead = answer or request.problem(failure)
@@ -259,8 +285,8 @@ class IdempotencyEngine:
                 "fenced off" if run.fenced else "store unavailable",
                 extra={"route": request.policy.name, "fencing_token": record.fencing_token},
             )
-            instead = self._not_of_record(request, run)
-        await capture.finish(recorded=recorded, instead=instead)
+            instead, replayed = self._not_of_record(request, run)
+        await capture.finish(recorded=recorded, instead=instead, replayed=replayed)
         # Waiters re-read the store whatever happened (even a fenced finalize is news); waking
         # them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
@@ -278,8 +304,18 @@ class IdempotencyEngine:
         )
 
     @staticmethod
-    def _not_of_record(request: KeyedRequest, run: OwnerRun) -> StoredResponse:
-        """What a client gets instead of an answer whose outcome could not be recorded."""
+    def _not_of_record(request: KeyedRequest, run: OwnerRun) -> tuple[StoredResponse, bool]:
+        """What a client gets instead of an answer whose outcome could not be recorded, and
+        whether it is a replay: the answer of record when the owner that fenced this one off
+        has finished, else a problem that sends the client back with the same key."""
+        current = run.of_record
+        if (
+            current is not None
+            and current.status in REPLAYABLE
+            and current.response is not None
+            and current.request_hash == request.fingerprint
+        ):
+            return current.response, True
         error: GatewayError
         if run.fenced:
             error = RequestInFlight(
@@ -292,7 +328,7 @@ class IdempotencyEngine:
                 "the answer could not be recorded; retry with the same key to get the "
                 "answer of record"
             )
-        return request.problem(error)
+        return request.problem(error), False
 
     async def _record(
         self, request: KeyedRequest, run: OwnerRun, status: Status, answer: StoredResponse | None

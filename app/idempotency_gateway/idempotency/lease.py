@@ -64,10 +64,17 @@ class Lease:
         self.margin = length * MARGIN_FRACTION
         self._clock = clock
         self._trusted_until = sent_at + length - self.margin
+        # When the lease granted last runs out, counted without the margin: until then no
+        # other owner can take the record, so an owner's write is worth trying again.
+        self._granted_until = sent_at + length
         self.fenced = False
 
     def is_trusted(self) -> bool:
         return not self.fenced and self._clock() < self._trusted_until
+
+    def remaining(self) -> float:
+        """Seconds until the lease granted last runs out (negative once it has)."""
+        return self._granted_until - self._clock()
 
     def check(self) -> None:
         """Raise ``LeaseNotConfirmed`` unless the lease may be trusted right now: called
@@ -104,6 +111,7 @@ class Lease:
             raise self._refusal("another owner took the record over")
         # max: a renewal sent earlier that answers last must not shorten a later one's trust.
         self._trusted_until = max(self._trusted_until, sent_at + self.length - self.margin)
+        self._granted_until = max(self._granted_until, sent_at + self.length)
 
     def _refusal(self, why: str) -> LeaseNotConfirmed:
         return LeaseNotConfirmed(

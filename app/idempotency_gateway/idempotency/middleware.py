@@ -51,6 +51,7 @@ from idempotency_gateway.idempotency.keys import (
     scope_of,
     with_bare_key,
 )
+from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from idempotency_gateway.idempotency.prefer import requested_wait
 from idempotency_gateway.idempotency.record import RecordKey
@@ -101,8 +102,9 @@ class IdempotencyMiddleware:
             ones are refused with 413 before any store access.
         store_unavailable: with the store down, refuse keyed requests (``FAIL_CLOSED``, a 503)
             or pass them through unprotected (``PASS_THROUGH``).
-        finalize_attempts: how often recording an outcome is tried before the answer is
-            withheld from the client (its retry then gets the answer of record).
+        finalize_attempts: the fewest tries at recording an outcome while the store does
+            not answer; tries go on until the owner's lease runs out. An answer that could
+            not be recorded is withheld from the client (its retry gets the answer of record).
     """
 
     def __init__(
@@ -136,12 +138,23 @@ class IdempotencyMiddleware:
             cache=cache if cache is not None else InProcessCache.sized_by(CacheConfig()),
             wakeups=wakeups if wakeups is not None else LocalWakeups(),
             finalize_attempts=finalize_attempts,
+            # Passed through, a request whose claim failed may have executed after all.
+            orphans=(
+                OrphanReleases(store)
+                if store_unavailable is StoreUnavailablePolicy.FAIL_CLOSED
+                else None
+            ),
         )
 
     @property
     def executions(self) -> set[asyncio.Task[None]]:
         """Executions in flight: shutdown waits for them to finalize."""
         return self.engine.executions
+
+    async def close(self) -> None:
+        """Stop releasing orphaned claims (``idempotency.orphans``); call at shutdown."""
+        if self.engine.orphans is not None:
+            await self.engine.orphans.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -14,12 +14,16 @@ from idempotency_gateway.errors import LeaseNotConfirmed, StoreUnavailable
 from idempotency_gateway.idempotency.lease import Lease
 from idempotency_gateway.idempotency.record import Fence, Record, Status, StoredResponse
 from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.resilience.backoff import full_jitter
 from idempotency_gateway.telemetry.metrics import FENCED_WRITES
 
 log = logging.getLogger(__name__)
 
-# Pause between finalize attempts when the store hiccups; the lease bounds the total.
-_FINALIZE_BACKOFF = 0.2
+# Pauses between finalize attempts while the store does not answer: short at first (most
+# outages are a dropped connection), never longer than the cap, so a store that comes back
+# within the lease is found within the cap.
+_FINALIZE_BACKOFF_BASE = 0.05
+_FINALIZE_BACKOFF_CAP = 0.5
 
 
 class _OwnerIds:
@@ -55,6 +59,9 @@ class OwnerRun:
         self.fence = Fence(record.owner_id, record.fencing_token)
         self.lease = Lease(store, record.key, self.fence, length=lease, sent_at=sent_at)
         self.fenced = False
+        # The record as the store last showed it after a finalize that matched no row: what
+        # a fenced-off owner's client gets instead (``None``: the record is gone).
+        self.of_record: Record | None = None
 
     @contextlib.asynccontextmanager
     async def heartbeat(self) -> AsyncIterator[None]:
@@ -68,27 +75,47 @@ class OwnerRun:
     async def finalize(
         self, status: Status, answer: StoredResponse | None, *, attempts: int
     ) -> bool:
-        """Write the outcome, retrying store errors: losing it would strand the key until
-        its lease runs out. A fenced write is logged, changes nothing and returns False."""
-        for attempt in range(1, attempts + 1):
+        """Write the outcome; ``False`` when it cannot be recorded. Losing it would settle an
+        executed request as "outcome unknown", so store errors are retried (with backoff) at
+        least ``attempts`` times and on until the lease runs out: until then no other owner
+        can take the record, and the fence keeps any later write harmless.
+
+        A write that matched no row is not yet a fence: an earlier attempt may have committed
+        although its answer was lost. The record is read back, and one that holds this
+        owner's outcome under its owner id and token counts as written."""
+        attempt = 0
+        while True:
             try:
                 written = await self.store.finalize(
                     self.record.key, self.fence, status=status, response=answer, ttl=self.ttl
                 )
+                if written or await self._committed_before(status):
+                    return True
             except StoreUnavailable:
-                if attempt == attempts:
+                pause = full_jitter(attempt, base=_FINALIZE_BACKOFF_BASE, cap=_FINALIZE_BACKOFF_CAP)
+                attempt += 1
+                if attempt >= attempts and pause >= self.lease.remaining():
                     log.error(
-                        "finalize failed: store unavailable; the record stays IN_PROGRESS "
-                        "until its lease runs out",
-                        extra={"status": status.value},
+                        "finalize failed: store unavailable until the lease ran out; the "
+                        "record stays IN_PROGRESS until another owner takes it over",
+                        extra={"status": status.value, "attempts": attempt},
                     )
                     return False
-                await asyncio.sleep(_FINALIZE_BACKOFF * attempt)
+                await asyncio.sleep(pause)
                 continue
-            if not written:
-                self._note_fenced("finalize")
-            return written
-        return False
+            self._note_fenced("finalize")
+            return False
+
+    async def _committed_before(self, status: Status) -> bool:
+        """Whether the record already holds this owner's outcome (a finalize whose commit
+        outlived its answer); keeps what it read in ``of_record``."""
+        self.of_record = record = await self.store.get(self.record.key)
+        return (
+            record is not None
+            and record.status is status
+            and record.owner_id == self.fence.owner_id
+            and record.fencing_token == self.fence.fencing_token
+        )
 
     def _note_fenced(self, write: str) -> None:
         self.fenced = True

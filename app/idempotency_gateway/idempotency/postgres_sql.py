@@ -103,3 +103,23 @@ UPDATE idempotency_records r SET
 FROM clock
 WHERE {_KEY} AND {_FENCE}
 """
+
+# $5 owner_id. Owner ids are unique per claim, so the owner id alone fences this write; the
+# lease ends now, since nobody holds the record any more.
+RELEASE_UNSENT = f"""
+WITH {_CLOCK}
+UPDATE idempotency_records r
+SET status = 'FAILED_RETRYABLE', lease_expires_at = clock.now, updated_at = clock.now
+FROM clock
+WHERE {_KEY} AND r.status = 'IN_PROGRESS' AND r.owner_id = $5
+"""
+
+# Readiness: true when this connection's server takes writes (not a standby, and neither the
+# database nor the session is set read-only).
+WRITABLE = """
+SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'
+"""
+
+# Readiness: the Alembic revision, on the request path's own connection.
+MIGRATED = "SELECT to_regclass('alembic_version') IS NOT NULL"
+SCHEMA_REVISION = "SELECT version_num FROM alembic_version"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -21,10 +22,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_gateway.clock import Clock
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.errors import StoreReadOnly, StoreUnavailable
 from idempotency_gateway.idempotency import postgres_sql as sql
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status
 from idempotency_gateway.idempotency.store import (
+    READ_ONLY_DETAIL,
     Claim,
     RecordStore,
     Reservation,
@@ -33,6 +35,8 @@ from idempotency_gateway.idempotency.store import (
     record_from_row,
     store_errors,
 )
+
+log = logging.getLogger(__name__)
 
 
 async def _keep_session(_connection: asyncpg.Connection) -> None:
@@ -56,16 +60,30 @@ class PostgresRecordStore(RecordStore):
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
 
+    async def start(self) -> None:
+        """Open the request path's pool, and its first ``pool_min_size`` connections, before
+        the admin, sweep and breaker-override paths use the database: at the server's
+        connection limit the request path holds its connections first. A database that does
+        not answer yet leaves the pool to be built on first use."""
+        try:
+            with store_errors("connect"):
+                await self._get_pool()
+        except StoreUnavailable as error:
+            log.warning("the request path's store pool will open on first use: %s", error)
+
     async def _get_pool(self) -> asyncpg.Pool:
-        # Built on first use: ``from_url`` is synchronous, and a gateway may start before
-        # its database is up.
+        # Built by start(), else on first use (``from_url`` is synchronous, and a gateway
+        # may start before its database is up).
         if self._pool is not None:
             return self._pool
         async with self._pool_lock:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
                     asyncpg_dsn_of(self.engine.url),
-                    min_size=0,
+                    # A floor the pool keeps (and restores in the background when a
+                    # connection is lost): at the server's connection limit these slots stay
+                    # the request path's.
+                    min_size=min(self.config.pool_min_size, self.config.pool_size),
                     max_size=self.config.pool_size,
                     reset=_keep_session,
                     init=_decode_json,
@@ -105,6 +123,21 @@ class PostgresRecordStore(RecordStore):
                 raise
             finally:
                 await pool.release(connection)
+
+    async def ping(self) -> None:
+        """On the request path's own pool (so is ``schema_revision``): readiness checks what
+        a keyed request needs, whatever the admin paths' connections do."""
+        async with self._pg("ping") as connection:
+            writable = await connection.fetchval(sql.WRITABLE)
+        if not writable:
+            raise StoreReadOnly(READ_ONLY_DETAIL)
+
+    async def schema_revision(self) -> str | None:
+        async with self._pg("schema") as connection:
+            if not await connection.fetchval(sql.MIGRATED):
+                return None
+            revision = await connection.fetchval(sql.SCHEMA_REVISION)
+        return None if revision is None else str(revision)
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -179,6 +212,13 @@ class PostgresRecordStore(RecordStore):
                 ttl,
             )
         return _changed(result)
+
+    async def release_unsent(self, key: RecordKey, owner_id: str) -> bool:
+        async with self._pg("release_unsent") as connection:
+            status = await connection.execute(
+                sql.RELEASE_UNSENT, self._pin(), *self._key(key), owner_id
+            )
+        return _changed(status)
 
     async def get(self, key: RecordKey) -> Record | None:
         async with self._pg("get") as connection:

@@ -49,14 +49,19 @@ _WHOLE = frozenset({Phase.COMPLETE, Phase.REPLACED})
 
 
 class ResponseCapture:
-    """Wraps ``send``: every message goes to the client at once and is teed for storage.
+    """Wraps ``send``: the app's answer is teed for storage on its way to the client.
+
+    An answer that fits the store (a Content-Length no larger than ``max_stored_body``) is
+    held whole until ``finish``: the client gets nothing of it before its outcome is recorded,
+    so an answer that cannot be recorded is replaced whole (by the answer of record or a
+    problem), never cut short after its head. A streamed answer (no Content-Length) or one
+    over the cap goes to the client as it comes; only the message that completes it (the end
+    of the body, or the chunk that reaches its Content-Length) is held back until ``finish``:
+    a client that has its whole answer may retry at once, and must then find the record
+    final, not a 409.
 
     The client going away must not stop the execution, so a failing ``send`` only marks the
     client as gone; capture continues and the answer is still stored for the retry.
-
-    The message that completes the client's answer (the end of the body, or the chunk that
-    reaches its Content-Length) is held back until ``finish``: a client that has its whole
-    answer may retry at once, and must then find the record final, not a 409.
     """
 
     def __init__(self, send: Send, *, max_stored_body: int, error_format: ErrorFormat) -> None:
@@ -96,8 +101,10 @@ class ResponseCapture:
             self.status = message["status"]
             self.headers = list(message.get("headers", []))
             self._declared_length = _content_length(self.headers)
-            if self._declared_length == 0 or self.status in (204, 304):
-                # The head alone completes a bodiless answer for the client.
+            fits = self._declared_length is not None and self._declared_length <= self._limit
+            if fits or self.status in (204, 304):
+                # Held whole (every later message joins the held head); a bodiless answer
+                # is whole with its head.
                 self._held.append(message)
                 return
         elif message["type"] == "http.response.body":
@@ -125,14 +132,16 @@ class ResponseCapture:
         await send_stored(self.send, problem, replayed=False)
         self.phase = Phase.REPLACED
 
-    async def finish(self, *, recorded: bool, instead: StoredResponse) -> None:
+    async def finish(
+        self, *, recorded: bool, instead: StoredResponse, replayed: bool = False
+    ) -> None:
         """End the client's answer, once the record's outcome is settled; call exactly once.
 
-        ``recorded``: the held-back end of the answer goes out; an app that never answered
-        is answered with ``instead``. Not recorded: the answer is never completed. Before its
-        head went out the client gets ``instead``; after, the answer stays cut short (the
-        server closes the connection), so the client cannot mistake it for a whole one and
-        retries."""
+        ``recorded``: what was held back goes out; an app that never answered is answered
+        with ``instead``. Not recorded: the answer is never completed. Before its head went
+        out (always, for an answer held whole) the client gets ``instead``, marked as a
+        replay when ``replayed``; after, a streamed answer stays cut short (the server closes
+        the connection), so the client cannot mistake it for a whole one and retries."""
         assert self.phase not in (Phase.RELEASED, Phase.WITHDRAWN), "finished twice"
         head_sent = self.started and not any(
             message["type"] == "http.response.start" for message in self._held
@@ -143,7 +152,7 @@ class ResponseCapture:
             for message in held:
                 await self._forward(message)
         elif not head_sent:
-            await send_stored(self._forward, instead, replayed=False)
+            await send_stored(self._forward, instead, replayed=replayed)
 
     async def _forward(self, message: Message) -> None:
         if self.client_gone:

@@ -72,6 +72,13 @@ UPDATE idempotency_records SET
 WHERE {_KEY} AND {_FENCE}
 """
 
+# Owner ids are unique per claim, so the owner id alone fences this write.
+RELEASE_UNSENT = f"""
+UPDATE idempotency_records
+SET status = 'FAILED_RETRYABLE', lease_expires_at = :now, updated_at = :now
+WHERE {_KEY} AND status = 'IN_PROGRESS' AND owner_id = :f_owner
+"""
+
 # Run on every new connection, the store's and SQLAlchemy's alike. WAL lets readers run beside
 # the single writer; busy_timeout makes the writers of several worker processes queue instead
 # of failing with "database is locked".

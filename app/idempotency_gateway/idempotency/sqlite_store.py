@@ -111,6 +111,9 @@ class SqliteRecordStore(RecordStore):
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._thread, lambda: work(self._opened()))
 
+    async def start(self) -> None:
+        await self._run("connect", lambda _db: None)
+
     def _disconnect(self) -> None:
         if self._db is not None:
             self._db.close()
@@ -186,6 +189,13 @@ class SqliteRecordStore(RecordStore):
             "body_omitted": answer.omitted,
         }
         changed = await self._run("finalize", lambda db: db.execute(sql.FINALIZE, values).rowcount)
+        return changed > 0
+
+    async def release_unsent(self, key: RecordKey, owner_id: str) -> bool:
+        values = _key(key) | {"f_owner": owner_id, "now": to_text(self.clock())}
+        changed = await self._run(
+            "release_unsent", lambda db: db.execute(sql.RELEASE_UNSENT, values).rowcount
+        )
         return changed > 0
 
     async def get(self, key: RecordKey) -> Record | None:

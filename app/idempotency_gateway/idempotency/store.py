@@ -51,7 +51,7 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.database_url import asyncpg_dsn_of as asyncpg_dsn_of
 from idempotency_gateway.database_url import normalize_database_url as normalize_database_url
 from idempotency_gateway.database_url import sqlalchemy_url
-from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.errors import StoreReadOnly, StoreUnavailable
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
@@ -224,8 +224,9 @@ _DRIVER_ERRORS = (
     SQLAlchemyError,
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
-    # asyncpg's protocol in a state it did not expect (seen when a connection broke
-    # mid-statement during a failover): a store error like any other, not a crash.
+    # asyncpg's protocol in a state it did not expect: a connection the server ended while
+    # it sat idle in the pool (a failover, an operator's pg_terminate_backend), or one that
+    # broke mid-statement. A store error like any other, not a crash.
     asyncpg.InternalClientError,
     sqlite3.Error,
     OSError,
@@ -235,6 +236,41 @@ _DRIVER_ERRORS = (
 
 _store_errors = Children(STORE_ERRORS)
 _store_latency = Children(STORE_LATENCY)
+
+
+# SQLSTATEs: a write on a standby (or a database or session set read-only); a connection
+# over the server's, the database's or the role's limit.
+_READ_ONLY = "25006"
+_TOO_MANY_CONNECTIONS = "53300"
+READ_ONLY_DETAIL = (
+    "the idempotency store is read-only (a standby, or a database set read-only); keyed "
+    "requests are refused until a writable primary answers"
+)
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE a driver error carries (SQLAlchemy keeps asyncpg's error in ``orig``)."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return None
+        sqlstate = getattr(seen, "sqlstate", None)
+        if isinstance(sqlstate, str):
+            return sqlstate
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return None
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailable:
+    """The client's problem says what is wrong in the gateway's terms; the driver's class
+    stays in the exception chain and the logs, out of the answer."""
+    if _sqlstate(exc) == _READ_ONLY:
+        return StoreReadOnly(READ_ONLY_DETAIL)
+    if _sqlstate(exc) == _TOO_MANY_CONNECTIONS:
+        return StoreUnavailable("the idempotency store has no connection to spare")
+    if isinstance(exc, TimeoutError):
+        return StoreUnavailable("the idempotency store did not answer in time")
+    return StoreUnavailable("the idempotency store is unreachable or failed")
 
 
 @contextmanager
@@ -247,7 +283,7 @@ def store_errors(operation: str) -> Iterator[None]:
         yield
     except _DRIVER_ERRORS as exc:
         _store_errors(operation).inc()
-        raise StoreUnavailable(f"idempotency store error: {type(exc).__name__}") from exc
+        raise _unavailable(exc) from exc
     finally:
         _store_latency(operation).observe(time.perf_counter() - started)
 
@@ -305,7 +341,14 @@ class RecordStore(ABC):
     def _connection(self, operation: str) -> AbstractAsyncContextManager[AsyncConnection]:
         return store_connection(self.engine, operation)
 
+    @abstractmethod
+    async def start(self) -> None:
+        """Open what the request path needs ahead of any other use of the database; a store
+        that does not answer yet is opened on first use instead."""
+
     async def ping(self) -> None:
+        """Raise ``StoreUnavailable`` unless the request path can write now: a connection
+        of its own, on a database that takes writes (``StoreReadOnly`` when it does not)."""
         async with self._connection("ping") as connection:
             await connection.execute(select(literal(1)))
 
@@ -354,6 +397,14 @@ class RecordStore(ABC):
         self, key: RecordKey, fence: Fence, status: Status, answer: StoredColumns, ttl: float
     ) -> bool:
         """``finalize`` as the backend runs it."""
+
+    @abstractmethod
+    async def release_unsent(self, key: RecordKey, owner_id: str) -> bool:
+        """Give back a claim whose owner never sent anything (its reserve or take-over
+        committed after the gateway stopped waiting for it): the ``IN_PROGRESS`` row of
+        ``owner_id`` becomes ``FAILED_RETRYABLE``, which the next request with the key takes
+        over and executes. ``False``: no such row (the claim never committed, or another
+        owner holds the record now) and nothing changed."""
 
     @abstractmethod
     async def get(self, key: RecordKey) -> Record | None: ...

@@ -25,7 +25,7 @@ from pydantic import BaseModel, SecretStr
 from starlette.exceptions import HTTPException
 
 from idempotency_gateway.drain import DrainState
-from idempotency_gateway.errors import AdminError, GatewayError, StoreUnavailable
+from idempotency_gateway.errors import AdminError, GatewayError, StoreReadOnly, StoreUnavailable
 from idempotency_gateway.idempotency.cache import ReplayCache
 from idempotency_gateway.idempotency.keys import scope_of
 from idempotency_gateway.idempotency.record import Record, RecordKey
@@ -279,8 +279,9 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         tags=["health"],
         responses={
             503: {
-                "description": "not ready: draining, the store does not answer, or its schema "
-                "is not at the migration head",
+                "description": "not ready: draining, the store does not answer on the request "
+                "path's connections, refuses writes (read-only), or its schema is not at the "
+                "migration head",
                 "model": dict[str, str],
             }
         },
@@ -294,6 +295,8 @@ def create_admin_app(context: AdminContext) -> FastAPI:
             async with asyncio.timeout(READINESS_TIMEOUT):
                 await context.store.ping()
                 checks["schema"] = await schema_state(context.store)
+        except StoreReadOnly:
+            checks["store"] = "read-only"
         except (StoreUnavailable, TimeoutError):
             checks["store"] = "down"
         # A slow or absent Redis costs latency, never answers: degraded, still ready.

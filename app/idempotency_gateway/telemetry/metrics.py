@@ -157,6 +157,13 @@ CACHE_LOOKUPS = Counter(
     "Replay cache lookups by result: hit, miss, error",
     ["result"],
 )
+ORPHAN_RELEASES = Counter(
+    PREFIX + "orphan_releases_total",
+    "Claims that may have committed after the gateway gave up on them, by what became of "
+    "them: released, absent (never committed or taken over), dropped (queue full or past "
+    "their record's TTL)",
+    ["result"],
+)
 FENCED_WRITES = Counter(
     PREFIX + "fenced_writes_total",
     "Writes by an owner that had been fenced off (they changed nothing)",
