@@ -50,7 +50,7 @@ async def test_heartbeat_renews_the_lease_again_and_again_while_the_owner_runs(
     store: RecordStore, clock: ManualClock, unique: Callable[[str], str]
 ) -> None:
     record = await reserved(store, unique("heartbeat"))
-    run = OwnerRun(store, record, lease=LEASE, ttl=TTL)
+    run = OwnerRun(store, record, lease=LEASE, ttl=TTL, granted_at=clock())
     async with run.heartbeat():
         for _ in range(3):
             clock.advance(60)
@@ -62,7 +62,7 @@ async def test_an_owner_taken_over_stops_renewing_and_knows_it_was_fenced(
     store: RecordStore, clock: ManualClock, unique: Callable[[str], str]
 ) -> None:
     record = await reserved(store, unique("fenced-heartbeat"))
-    run = OwnerRun(store, record, lease=LEASE, ttl=TTL)
+    run = OwnerRun(store, record, lease=LEASE, ttl=TTL, granted_at=clock())
 
     def fenced_renewals() -> float:
         value = REGISTRY.get_sample_value(

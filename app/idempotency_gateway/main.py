@@ -142,7 +142,7 @@ class Gateway:
         self.invalidations = (
             None
             if self.cache.shared_across_workers
-            else CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
+            else CacheInvalidations(self.store.engine, self.cache)
         )
         self.sweeper = Sweeper(self.store, config.sweeper)
         self.stuck_records = StuckRecordsSampler(self.store.count_stuck)

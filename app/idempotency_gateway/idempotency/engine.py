@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from idempotency_gateway.asgi import ASGIApp, Headers, Scope, Send, replay_receive
+from idempotency_gateway.clock import monotonic
 from idempotency_gateway.config import IdempotencyConfig, OnAmbiguous
 from idempotency_gateway.errors import (
     GatewayError,
@@ -24,7 +25,7 @@ from idempotency_gateway.errors import (
     StoreUnavailable,
 )
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
-from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache
+from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache, expiry_of
 from idempotency_gateway.idempotency.machine import Action, classify, decide
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.policy import RoutePolicy
@@ -125,16 +126,17 @@ class IdempotencyEngine:
         claim = Claim(request.fingerprint, new_owner_id(), config.lease, config.ttl)
         waited: Headers = []
         for _ in range(_MAX_DECISIONS):
+            asked_at = monotonic()
             reservation = await self.store.reserve(request.key, claim)
             if reservation.reserved:
-                await self._execute(request, reservation.record)
+                await self._execute(request, reservation.record, asked_at)
                 return
             record = reservation.record
             action = decide(record, request_hash=request.fingerprint, now=reservation.now)
             if action is Action.REPLAY:
                 assert record.response is not None
                 note_outcome(request.scope, RequestOutcome.REPLAYED)
-                answer = CachedAnswer.of(record)
+                answer = CachedAnswer.of(record, now=reservation.now, asked_at=asked_at)
                 if answer is not None:
                     await self.cache.put(answer)
                 await send_stored(request.send, record.response, replayed=True, extra=waited)
@@ -155,14 +157,15 @@ class IdempotencyEngine:
                     "retry with the same key to get its answer",
                     retry_after=IN_FLIGHT_RETRY_AFTER,
                 )
+            asked_at = monotonic()
             taken = await self.store.take_over(record, claim)
             if taken is None:
                 continue  # somebody else changed the record first: look again
             TAKEOVERS.labels(_takeover_reason(action, record, reservation.now)).inc()
             if action is Action.ABANDONED and config.on_ambiguous is OnAmbiguous.FAIL:
-                await self._settle_abandoned(request, taken)
+                await self._settle_abandoned(request, taken, asked_at)
                 return
-            await self._execute(request, taken)
+            await self._execute(request, taken, asked_at)
             return
         note_outcome(request.scope, RequestOutcome.CONFLICT_IN_FLIGHT)
         raise RequestInFlight(
@@ -170,7 +173,9 @@ class IdempotencyEngine:
             retry_after=IN_FLIGHT_RETRY_AFTER,
         )
 
-    async def _settle_abandoned(self, request: KeyedRequest, record: Record) -> None:
+    async def _settle_abandoned(
+        self, request: KeyedRequest, record: Record, granted_at: float
+    ) -> None:
         """An owner died mid-flight: record that the outcome is unknown, never execute twice."""
         note_outcome(request.scope, RequestOutcome.OUTCOME_UNKNOWN)
         log.warning(
@@ -184,7 +189,13 @@ class IdempotencyEngine:
                 "after checking the resource's state."
             ),
         )
-        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
+        run = OwnerRun(
+            self.store,
+            record,
+            lease=request.config.lease,
+            ttl=request.config.ttl,
+            granted_at=granted_at,
+        )
         recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
         await send_stored(
             request.send,
@@ -194,15 +205,15 @@ class IdempotencyEngine:
         # Waiters re-read the store whatever happened; waking them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
 
-    async def _execute(self, request: KeyedRequest, record: Record) -> None:
+    async def _execute(self, request: KeyedRequest, record: Record, granted_at: float) -> None:
         note_outcome(request.scope, RequestOutcome.EXECUTED)
-        task = asyncio.create_task(self._run_owner(request, record))
+        task = asyncio.create_task(self._run_owner(request, record, granted_at))
         self.executions.add(task)
         task.add_done_callback(self.executions.discard)
         # shield: a disconnecting client cancels this await, never the execution itself.
         await asyncio.shield(task)
 
-    async def _run_owner(self, request: KeyedRequest, record: Record) -> None:
+    async def _run_owner(self, request: KeyedRequest, record: Record, granted_at: float) -> None:
         execution = Execution(record.key.idempotency_key, record.fencing_token)
         inner_scope = dict(request.scope)
         inner_scope["headers"] = [
@@ -210,7 +221,13 @@ class IdempotencyEngine:
             (FENCING_TOKEN_HEADER, str(record.fencing_token).encode()),
         ]
         inner_scope["state"] = {**request.scope.get("state", {}), STATE_KEY: execution}
-        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
+        run = OwnerRun(
+            self.store,
+            record,
+            lease=request.config.lease,
+            ttl=request.config.ttl,
+            granted_at=granted_at,
+        )
         capture = ResponseCapture(
             request.send,
             max_stored_body=request.config.max_stored_body,
@@ -291,7 +308,10 @@ class IdempotencyEngine:
                     request.fingerprint,
                     status,
                     answer,
-                    run.record.expires_at.timestamp(),
+                    # The statement that granted the record stamped it with the database's
+                    # "now" (``updated_at``). A record that outlived its TTL gets a new one at
+                    # the finalize; its answer then lives on in the store, not in the cache.
+                    expiry_of(run.record, now=run.record.updated_at, asked_at=run.granted_at),
                 )
             )
         return recorded, published

@@ -42,9 +42,13 @@ new_owner_id = _OwnerIds().next
 
 
 class OwnerRun:
-    def __init__(self, store: RecordStore, record: Record, *, lease: float, ttl: float) -> None:
+    def __init__(
+        self, store: RecordStore, record: Record, *, lease: float, ttl: float, granted_at: float
+    ) -> None:
         self.store = store
         self.record = record
+        # This process's monotonic clock when the statement that granted ``record`` was sent.
+        self.granted_at = granted_at
         self.lease = lease
         self.ttl = ttl
         self.fence = Fence(record.owner_id, record.fencing_token)

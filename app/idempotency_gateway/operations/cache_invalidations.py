@@ -6,16 +6,21 @@ writes the record key to ``cache_invalidations``; every process polls the table 
 ``interval`` seconds and drops what it has not seen yet. So within ``interval`` plus one
 query after the admin call returns, no worker replays the old answer. A process that cannot
 read the table drops its whole cache instead: it cannot know what it missed.
+
+One clock: a process finds new rows by their id (a sequence, never a time), and rows are
+stamped and pruned with the database's clock inside the statements (``now()``; on SQLite its
+own clock, which every process on the file's machine shares). A gateway whose host clock is
+off by any amount therefore neither misses a delete nor prunes rows others have not read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import ColumnElement, delete, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_gateway.errors import StoreUnavailable
@@ -32,6 +37,16 @@ POLL_INTERVAL = 1.0
 RETENTION = timedelta(minutes=10)
 
 _table = cache_invalidations.c
+# SQLite keeps times as the text SQLAlchemy's ``DateTime`` writes; this is its clock in a
+# form that orders the same way.
+_SQLITE_TIME = "%Y-%m-%d %H:%M:%f"
+
+
+def database_time(engine: AsyncEngine, *, ago: timedelta = timedelta()) -> ColumnElement[Any]:
+    """The database's "now" (minus ``ago``) inside a statement, never a gateway host's."""
+    if engine.dialect.name == "sqlite":
+        return func.strftime(_SQLITE_TIME, "now", f"-{ago.total_seconds():f} seconds")
+    return func.now() - ago if ago else func.now()
 
 
 class CacheInvalidations:
@@ -40,13 +55,11 @@ class CacheInvalidations:
         engine: AsyncEngine,
         cache: ReplayCache,
         *,
-        clock: Callable[[], datetime],
         interval: float = POLL_INTERVAL,
     ) -> None:
         self.engine = engine
         self.cache = cache
         self.interval = interval
-        self._clock = clock
         self._seen: int | None = None
         self.degradation = DegradationLog(
             "cache invalidations (database)", fallback="dropping the whole replay cache"
@@ -61,7 +74,7 @@ class CacheInvalidations:
                     scope=key.scope,
                     operation=key.operation,
                     idempotency_key=key.idempotency_key,
-                    created_at=self._clock(),
+                    created_at=database_time(self.engine),
                 )
             )
 
@@ -83,7 +96,9 @@ class CacheInvalidations:
                 )
             ).all()
             await connection.execute(
-                delete(cache_invalidations).where(_table.created_at < self._clock() - RETENTION)
+                delete(cache_invalidations).where(
+                    _table.created_at < database_time(self.engine, ago=RETENTION)
+                )
             )
         if rows:
             self.cache.invalidate(
