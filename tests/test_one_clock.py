@@ -23,6 +23,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from email.utils import parsedate_to_datetime
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -51,12 +52,17 @@ def skewed_env(database_url: str) -> dict[str, str]:
     return {"GATEWAY_DATABASE_URL": database_url, **skewed_clock_env(SKEW)}
 
 
-async def database_now(database_url: str) -> datetime:
+async def ask_database(database_url: str, query: str, *args: object) -> Any:
+    """One value, as the database itself computes it (its own clock in ``now()``)."""
     connection = await asyncpg.connect(asyncpg_dsn_of(database_url))
     try:
-        now: datetime = await connection.fetchval("SELECT now()")
+        return await connection.fetchval(query, *args)
     finally:
         await connection.close()
+
+
+async def database_now(database_url: str) -> datetime:
+    now: datetime = await ask_database(database_url, "SELECT now()")
     return now
 
 
@@ -175,29 +181,13 @@ async def admin_delete(gateway: GatewayProcess, key: str) -> None:
     assert deleted.status_code == 200, deleted.text
 
 
-async def invalidation_stamp_age(database_url: str, key: str) -> timedelta:
-    """How far the newest invalidation row of ``key`` is from the database's "now"."""
-    connection = await asyncpg.connect(asyncpg_dsn_of(database_url))
-    try:
-        age: timedelta = await connection.fetchval(
-            "SELECT now() - max(created_at) FROM cache_invalidations WHERE idempotency_key = $1",
-            key,
-        )
-    finally:
-        await connection.close()
-    return age
-
-
 async def record_expired(database_url: str, key: str) -> bool:
     """Whether the database's clock has passed the record's expiry."""
-    connection = await asyncpg.connect(asyncpg_dsn_of(database_url))
-    try:
-        expired: bool = await connection.fetchval(
-            "SELECT expires_at <= now() FROM idempotency_records WHERE idempotency_key = $1",
-            key,
-        )
-    finally:
-        await connection.close()
+    expired: bool = await ask_database(
+        database_url,
+        "SELECT expires_at <= now() FROM idempotency_records WHERE idempotency_key = $1",
+        key,
+    )
     return expired
 
 
@@ -265,7 +255,12 @@ async def test_admin_deletes_reach_every_gateway_whatever_its_host_clock(
         # Deleted through the gateway far ahead: its row carries the database's time.
         old = await warmed(on_ahead)
         await admin_delete(ahead, on_ahead)
-        assert abs(await invalidation_stamp_age(postgres_url, on_ahead)) < SLACK
+        stamp_age = await ask_database(
+            postgres_url,
+            "SELECT now() - max(created_at) FROM cache_invalidations WHERE idempotency_key = $1",
+            on_ahead,
+        )
+        assert abs(stamp_age) < SLACK
         await answers_afresh("first", on_ahead, old)
         await answers_afresh("second", on_ahead, old)
     finally:

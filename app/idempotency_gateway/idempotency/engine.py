@@ -173,6 +173,12 @@ class IdempotencyEngine:
             retry_after=IN_FLIGHT_RETRY_AFTER,
         )
 
+    def _owner_run(self, request: KeyedRequest, record: Record, granted_at: float) -> OwnerRun:
+        config = request.config
+        return OwnerRun(
+            self.store, record, lease=config.lease, ttl=config.ttl, granted_at=granted_at
+        )
+
     async def _settle_abandoned(
         self, request: KeyedRequest, record: Record, granted_at: float
     ) -> None:
@@ -189,13 +195,7 @@ class IdempotencyEngine:
                 "after checking the resource's state."
             ),
         )
-        run = OwnerRun(
-            self.store,
-            record,
-            lease=request.config.lease,
-            ttl=request.config.ttl,
-            granted_at=granted_at,
-        )
+        run = self._owner_run(request, record, granted_at)
         recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
         await send_stored(
             request.send,
@@ -221,13 +221,7 @@ class IdempotencyEngine:
             (FENCING_TOKEN_HEADER, str(record.fencing_token).encode()),
         ]
         inner_scope["state"] = {**request.scope.get("state", {}), STATE_KEY: execution}
-        run = OwnerRun(
-            self.store,
-            record,
-            lease=request.config.lease,
-            ttl=request.config.ttl,
-            granted_at=granted_at,
-        )
+        run = self._owner_run(request, record, granted_at)
         capture = ResponseCapture(
             request.send,
             max_stored_body=request.config.max_stored_body,
