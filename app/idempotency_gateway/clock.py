@@ -11,7 +11,9 @@ Two kinds of time, never mixed:
   is set.
 - the lease clock (``lease_clock``), monotonic seconds that keep counting while the host is
   suspended (``CLOCK_BOOTTIME`` on Linux): an owner judges how long it may trust its lease
-  by it, so a frozen VM or a suspended host shows up as elapsed time, as any stall must.
+  by it, so a frozen VM or a suspended host shows up as elapsed time, as any stall must. The
+  replay caches count an entry's life on it too, from the same reading: the one taken before
+  the statement that handed the record over.
 
 Every component that reads the time takes one of these as a keyword argument defaulting to
 the real one, so tests inject a clock they move themselves.

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from pydantic import SecretStr
+from redis.asyncio import RedisCluster
 
 from idempotency_gateway.asgi import Receive, Scope, Send
 from idempotency_gateway.clock import utc_now
@@ -32,6 +33,7 @@ from idempotency_gateway.config import (
 )
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
+from idempotency_gateway.idempotency.cluster_wakeups import ClusterWakeups
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
 from idempotency_gateway.idempotency.redis_cache import RedisCache
@@ -81,7 +83,13 @@ def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCach
     publisher = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
     subscriber = connect_redis(redis_url, timeout=None, connect_timeout=config.timeout)
     cache = RedisCache(publisher, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
-    return cache, RedisWakeups(subscriber=subscriber, publisher=publisher, timeout=config.timeout)
+    if isinstance(subscriber, RedisCluster) and isinstance(publisher, RedisCluster):
+        wakeups: Wakeups = ClusterWakeups(
+            subscriber=subscriber, publisher=publisher, timeout=config.timeout
+        )
+    else:
+        wakeups = RedisWakeups(subscriber=subscriber, publisher=publisher, timeout=config.timeout)
+    return cache, wakeups
 
 
 def _record_breaker_transition(upstream: str, old: BreakerState, new: BreakerState) -> None:
@@ -147,7 +155,7 @@ class Gateway:
         self.invalidations = (
             None
             if self.cache.shared_across_workers
-            else CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
+            else CacheInvalidations(self.store.engine, self.cache)
         )
         self.sweeper = Sweeper(self.store, config.sweeper)
         self.stuck_records = StuckRecordsSampler(self.store.count_stuck)

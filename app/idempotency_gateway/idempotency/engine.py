@@ -27,7 +27,7 @@ from idempotency_gateway.errors import (
     StoreUnavailable,
 )
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
-from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache
+from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache, expiry_of
 from idempotency_gateway.idempotency.machine import Action, classify, decide
 from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
@@ -150,7 +150,7 @@ class IdempotencyEngine:
             if action is Action.REPLAY:
                 assert record.response is not None
                 note_outcome(request.scope, RequestOutcome.REPLAYED)
-                answer = CachedAnswer.of(record)
+                answer = CachedAnswer.of(record, now=reservation.now, asked_at=sent_at)
                 if answer is not None:
                     await self.cache.put(answer)
                 await send_stored(request.send, record.response, replayed=True, extra=waited)
@@ -346,7 +346,10 @@ class IdempotencyEngine:
                     request.fingerprint,
                     status,
                     answer,
-                    run.record.expires_at.timestamp(),
+                    # The statement that granted the record stamped it with the database's
+                    # "now" (``updated_at``). A record that outlived its TTL gets a new one at
+                    # the finalize; its answer then lives on in the store, not in the cache.
+                    expiry_of(run.record, now=run.record.updated_at, asked_at=run.sent_at),
                 )
             )
         return recorded, published

@@ -57,6 +57,7 @@ class OwnerRun:
         self.record = record
         self.ttl = ttl
         self.fence = Fence(record.owner_id, record.fencing_token)
+        self.sent_at = sent_at
         self.lease = Lease(store, record.key, self.fence, length=lease, sent_at=sent_at)
         self.fenced = False
         # The record as the store last showed it after a finalize that matched no row: what
