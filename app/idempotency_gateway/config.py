@@ -262,6 +262,13 @@ class IdempotencyConfig(_Model):
 
 class RouteMatch(_Model):
     path_prefix: str = Field(pattern=r"^/")
+    # Most upstream frameworks (Express, ASP.NET Core, IIS, Spring's option) route /V1/Charges
+    # to the /v1/charges handler: a policy matched by exact case would let it pass unprotected.
+    case_sensitive: bool = False
+    # Rails (and Spring's suffix pattern matching) route /v1/charges.json and /v1/charges. to
+    # the /v1/charges handler: with this on, the path's last segment also matches without
+    # everything from its first dot on.
+    format_suffixes: bool = False
 
 
 class RouteConfig(_Model):
