@@ -8,6 +8,7 @@ silently ignored setting. Durations are written ``250ms``, ``30s``, ``5m``, ``24
 from __future__ import annotations
 
 import re
+import ssl
 from decimal import Decimal
 from enum import StrEnum
 from ipaddress import IPv4Network, IPv6Network, ip_network
@@ -21,6 +22,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    FilePath,
     PlainSerializer,
     SecretStr,
     ValidationError,
@@ -201,12 +203,54 @@ class BreakerConfig(_Model):
     )
 
 
+class TlsConfig(_Model):
+    """TLS toward an ``https`` upstream. The certificate is always verified; by default against
+    the system's CAs and for the URL's host name, which is also sent in SNI."""
+
+    # PEM: the CAs that may sign the upstream's certificate (a private CA, a mesh's root).
+    ca_bundle: FilePath | None = None
+    # PEM: the gateway's own certificate (chain) and its key, for upstreams that require mTLS.
+    # The key may be in client_cert's file instead.
+    client_cert: FilePath | None = None
+    client_key: FilePath | None = None
+    # The name sent in SNI and that the certificate must hold, when not the URL's host (an
+    # upstream reached by IP address or through a tunnel).
+    server_name: str | None = Field(None, min_length=1, max_length=253)
+    # Off only for a certificate without the name (the chain is still verified).
+    verify_hostname: bool = True
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_bundle)
+        context.check_hostname = self.verify_hostname
+        if self.client_cert is not None:
+            context.load_cert_chain(self.client_cert, self.client_key)
+        return context
+
+    @model_validator(mode="after")
+    def _loads(self) -> TlsConfig:
+        if self.client_key is not None and self.client_cert is None:
+            raise ValueError("client_key needs client_cert")
+        try:
+            self.context()
+        except (ssl.SSLError, OSError) as exc:
+            # A file that is there but holds no usable PEM: refused now, not at the first call.
+            raise ValueError(f"cannot load the TLS files: {exc}") from None
+        return self
+
+
 class UpstreamConfig(_Model):
     url: AnyHttpUrl
     timeouts: TimeoutsConfig = TimeoutsConfig()
     pool: PoolConfig = PoolConfig()
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
+    tls: TlsConfig = TlsConfig()
+
+    @model_validator(mode="after")
+    def _tls_only_for_https(self) -> UpstreamConfig:
+        if self.url.scheme != "https" and self.tls != TlsConfig():
+            raise ValueError("tls settings need an https url")
+        return self
 
     @property
     def base_url(self) -> str:

@@ -11,6 +11,7 @@ decision.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import cast
@@ -21,6 +22,7 @@ from idempotency_gateway.errors import (
     UpstreamConnectionLost,
     UpstreamError,
     UpstreamInvalidResponse,
+    UpstreamNotSent,
     UpstreamTimeout,
 )
 
@@ -36,6 +38,24 @@ READ_SIZE = 64 * 1024
 # extensions, and the trailer section after the last chunk.
 MAX_HEAD = 64 * 1024
 _FRAMING_FIELDS = (b"content-length", b"transfer-encoding")
+# TLS alerts a server sends only while the handshake is being settled. In TLS 1.3 the server
+# judges the client's certificate after the client's side of the handshake is done and the
+# request written: the refusal arrives as one of these instead of an answer. The request
+# never reached the upstream's application (it cannot read a byte before the handshake).
+_HANDSHAKE_REFUSALS = frozenset(
+    {
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+        "SSLV3_ALERT_BAD_CERTIFICATE",
+        "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE",
+        "SSLV3_ALERT_CERTIFICATE_REVOKED",
+        "SSLV3_ALERT_CERTIFICATE_EXPIRED",
+        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+        "TLSV1_ALERT_UNKNOWN_CA",
+        "TLSV1_ALERT_ACCESS_DENIED",
+        "SSLV3_ALERT_HANDSHAKE_FAILURE",
+        "TLSV1_ALERT_DECRYPT_ERROR",
+    }
+)
 # uvloop's clock ticks in milliseconds: a timer may fire that much before its deadline.
 _TIMER_SLACK = 0.001
 
@@ -217,6 +237,17 @@ class UpstreamConnection(asyncio.BufferedProtocol):
             return
         if self._in_trailers:
             self.complete = True  # the body is whole: only trailer fields were still coming
+        elif (
+            isinstance(exc, ssl.SSLError)
+            and exc.reason in _HANDSHAKE_REFUSALS
+            and not self._head_bytes  # nothing of an answer: the handshake was never accepted
+        ):
+            self._fail(
+                UpstreamNotSent(
+                    f"upstream {self.upstream!r} refused the TLS handshake ({exc.reason}); "
+                    "nothing was sent"
+                )
+            )
         elif (
             exc is None
             and self.error is None
