@@ -231,7 +231,8 @@ class TlsConfig(_Model):
         if self.client_key is not None and self.client_cert is None:
             raise ValueError("client_key needs client_cert")
         try:
-            self.context()
+            if self.ca_bundle is not None or self.client_cert is not None:
+                self.context()
         except (ssl.SSLError, OSError) as exc:
             # A file that is there but holds no usable PEM: refused now, not at the first call.
             raise ValueError(f"cannot load the TLS files: {exc}") from None
