@@ -41,6 +41,8 @@ def _route(prefix: str, *, name: str | None = None, **match: Any) -> dict[str, A
         ("/v1/CAF%C3%89", "/v1/caf%C3%A9"),  # É -> é, in upper-case hex again
         ("/v1/STRA%C3%9FE", "/v1/strasse"),  # ß folds to ss
         ("/v1/%E2%84%AA", "/v1/k"),  # the Kelvin sign folds to k
+        ("/v1/%C4%B1nvoices", "/v1/invoices"),  # ASP.NET and Java read the dotless i as I
+        ("/v1/%C5%BFessions", "/v1/sessions"),  # and the long s as S
         ("/v1/A%3AB", "/v1/a%3Ab"),  # an encoded ASCII octet keeps its hex
         ("/v1/%FF%C3", "/v1/%FF%C3"),  # octets that are not UTF-8 stay as they are
     ],
@@ -61,6 +63,7 @@ def test_folding_keeps_distinct_octets_apart() -> None:
         ("/v1/charges.", "/v1/charges"),
         ("/v1/Charges.JSON;x=1", "/v1/charges"),
         ("/v1/charges/ch_1.xml", "/v1/charges/ch_1"),
+        ("/v1/charges.json/", "/v1/charges/"),  # Rails drops the trailing slash
         ("/v1/.well-known", "/v1/.well-known"),  # a leading dot is no suffix
         ("/v1/a.b/c", "/v1/a.b/c"),  # only the last segment
     ],
@@ -78,7 +81,14 @@ def test_router_matches_spellings_by_route() -> None:
             (RouteMatch(path_prefix="/"), "root"),
         ]
     )
-    for path in ("/V1/CHARGES", "/v1/charges.json", "/v1/Charges.", "/v1/charges/ch_1.json"):
+    for path in (
+        "/V1/CHARGES",
+        "/v1/charges.json",
+        "/v1/Charges.",
+        "/v1/charges/ch_1.json",
+        "/v1/charges.json/",
+        "/v1/charges;jsessionid=1.json",
+    ):
         assert router.match(path) == "charges", path
     assert router.match("/v1/chargesX") == "root"
     assert router.match("/v1/Refunds/re_1") == "refunds"
@@ -149,7 +159,15 @@ async def gateway(upstream: RecordingUpstream, postgres_url: str) -> AsyncIterat
 
 @pytest.mark.parametrize(
     "path",
-    ["/V1/Charges", "/v1/CHARGES", "/v1/charges.json", "/v1/charges.", "/v1/CAF%C3%89"],
+    [
+        "/V1/Charges",
+        "/v1/CHARGES",
+        "/v1/charges.json",
+        "/v1/charges.",
+        "/v1/charges.json/",
+        "/v1/charges%2Ejson",
+        "/v1/CAF%C3%89",
+    ],
 )
 async def test_an_unkeyed_request_in_another_spelling_gets_the_policy(
     gateway: RunningGateway, upstream: RecordingUpstream, path: str

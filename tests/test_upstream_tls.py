@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import trustme
+from cryptography.hazmat.primitives import serialization
 
 from idempotency_gateway.cli import main
 from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
@@ -302,6 +303,7 @@ async def test_mtls_without_an_accepted_certificate_sends_nothing(
         ({"ca_bundle": "{junk}"}, "cannot load the TLS files"),
         ({"client_key": "{junk}"}, "client_key needs client_cert"),
         ({"client_cert": "{junk}"}, "cannot load the TLS files"),
+        ({"client_cert": "{encrypted}"}, "client_key is encrypted"),
     ],
 )
 def test_check_config_refuses_tls_files_it_cannot_use(
@@ -309,7 +311,22 @@ def test_check_config_refuses_tls_files_it_cannot_use(
 ) -> None:
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate\n")
-    paths = {"missing": str(tmp_path / "missing.pem"), "junk": str(junk)}
+    encrypted = tmp_path / "encrypted.pem"
+    identity = trustme.CA().issue_cert("gateway")
+    key = serialization.load_pem_private_key(identity.private_key_pem.bytes(), password=None)
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+        + identity.cert_chain_pems[0].bytes()
+    )
+    paths = {
+        "missing": str(tmp_path / "missing.pem"),
+        "junk": str(junk),
+        "encrypted": str(encrypted),
+    }
     config = tmp_path / "gateway.yaml"
     config.write_text(
         "upstreams:\n"

@@ -203,6 +203,11 @@ class BreakerConfig(_Model):
     )
 
 
+def _no_password() -> bytes:
+    # Without a callback OpenSSL would prompt on the terminal, and serve would hang there.
+    raise ValueError("client_key is encrypted; give the gateway an unencrypted key file")
+
+
 class TlsConfig(_Model):
     """TLS toward an ``https`` upstream. The certificate is always verified; by default against
     the system's CAs and for the URL's host name, which is also sent in SNI."""
@@ -223,7 +228,7 @@ class TlsConfig(_Model):
         context = ssl.create_default_context(cafile=self.ca_bundle)
         context.check_hostname = self.verify_hostname
         if self.client_cert is not None:
-            context.load_cert_chain(self.client_cert, self.client_key)
+            context.load_cert_chain(self.client_cert, self.client_key, password=_no_password)
         return context
 
     @model_validator(mode="after")
@@ -233,7 +238,7 @@ class TlsConfig(_Model):
         try:
             if self.ca_bundle is not None or self.client_cert is not None:
                 self.context()
-        except (ssl.SSLError, OSError) as exc:
+        except (ssl.SSLError, OSError, ValueError) as exc:
             # A file that is there but holds no usable PEM: refused now, not at the first call.
             raise ValueError(f"cannot load the TLS files: {exc}") from None
         return self

@@ -25,8 +25,9 @@ T = TypeVar("T")
 _ESCAPE = re.compile(r"%[0-9a-f]{2}")
 # A run of percent-encoded octets that are not ASCII: UTF-8 text, or octets that are not.
 _NON_ASCII = re.compile(r"(?:%[89A-F][0-9A-F])+")
-# The last segment's format suffix: from its first dot on, when something comes before it.
-_FORMAT_SUFFIX = re.compile(r"(?<=[^/])\.[^/]*$")
+# The last segment's format suffix: from its first dot on, when something comes before it;
+# a trailing slash after it stays (Rails routes /v1/charges.json/ as /v1/charges.json).
+_FORMAT_SUFFIX = re.compile(r"(?<=[^/])\.[^/]*(?=/?$)")
 
 
 def path_without_parameters(path: str) -> str:
@@ -45,13 +46,15 @@ def _folded_octets(match: re.Match[str]) -> str:
     # Octets that are not UTF-8 survive as surrogates, untouched by casefold: %FF and %FE
     # stay apart, as the canonical path keeps them.
     text = unquote_to_bytes(match.group()).decode("utf-8", "surrogateescape")
-    return quote(text.casefold().encode("utf-8", "surrogateescape"), safe="")
+    # Upper-cased first: .NET's OrdinalIgnoreCase and Java's equalsIgnoreCase compare upper
+    # cases, where the dotless i and the long s are I and S; casefold alone keeps them apart.
+    return quote(text.upper().casefold().encode("utf-8", "surrogateescape"), safe="")
 
 
 def folded(path: str) -> str:
     """A canonical path with its case folded: ASCII letters lower-cased, and non-ASCII text
-    (percent-encoded UTF-8) decoded, case-folded (``É`` and ``é``, ``ß`` and ``ss``) and
-    encoded again. Percent-encodings keep their upper-case hex."""
+    (percent-encoded UTF-8) decoded, case-folded (``É`` and ``é``, ``ß`` and ``ss``, the
+    dotless i and ``i``) and encoded again. Percent-encodings keep their upper-case hex."""
     lowered = path.lower()
     if "%" not in lowered:
         return lowered
@@ -61,7 +64,8 @@ def folded(path: str) -> str:
 
 def without_format_suffix(path: str) -> str:
     """``/v1/charges.json``, ``/v1/charges.`` -> ``/v1/charges``: the path's last segment
-    without everything from its first dot on (a leading dot, as in ``/.env``, stays)."""
+    without everything from its first dot on (a leading dot, as in ``/.env``, stays; so does
+    a trailing slash: ``/v1/charges.json/`` -> ``/v1/charges/``)."""
     return _FORMAT_SUFFIX.sub("", path)
 
 
