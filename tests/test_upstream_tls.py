@@ -49,13 +49,22 @@ def ca_bundle(ca: trustme.CA, tmp_path: Path) -> Path:
     return path
 
 
-def server_context(certificate: trustme.LeafCert, *, client_ca: trustme.CA | None = None) -> Any:
+def server_context(
+    certificate: trustme.LeafCert, *, client_ca: trustme.CA | None = None
+) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     certificate.configure_cert(context)
     if client_ca is not None:
         context.verify_mode = ssl.CERT_REQUIRED
         client_ca.configure_trust(context)
     return context
+
+
+def recorded_sni(context: ssl.SSLContext) -> list[str | None]:
+    """The server names clients send in SNI, as their handshakes begin."""
+    names: list[str | None] = []
+    context.sni_callback = lambda _socket, name, _context: names.append(name)
+    return names
 
 
 StartGateway = Callable[..., Awaitable[RunningGateway]]
@@ -100,9 +109,8 @@ def assert_nothing_sent(
 async def test_a_certificate_signed_by_the_bundle_is_trusted(
     ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway
 ) -> None:
-    names: list[str | None] = []
     context = server_context(ca.issue_cert("127.0.0.1"))
-    context.sni_callback = lambda _socket, name, _context: names.append(name)
+    names = recorded_sni(context)
     async with RawUpstream(answer, tls=context) as upstream:
         gateway = await start_gateway(upstream, ca_bundle=str(ca_bundle))
         key = str(uuid.uuid4())
@@ -156,9 +164,8 @@ async def test_a_certificate_for_another_host_is_refused(
 async def test_server_name_is_sent_in_sni_and_verified_instead_of_the_url_host(
     ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway
 ) -> None:
-    names: list[str | None] = []
     context = server_context(ca.issue_cert("payments.internal"))
-    context.sni_callback = lambda _socket, name, _context: names.append(name)
+    names = recorded_sni(context)
     async with RawUpstream(answer, tls=context) as upstream:
         gateway = await start_gateway(
             upstream, ca_bundle=str(ca_bundle), server_name="payments.internal"
