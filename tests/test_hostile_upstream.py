@@ -282,11 +282,16 @@ def test_trailers_reach_neither_the_client_nor_the_record(
     assert replay.headers["idempotent-replayed"] == "true"
 
 
-@pytest.mark.parametrize("coding", CODINGS)
-def test_a_transfer_coding_other_than_chunked_is_a_502_never_relayed(
-    hostile: HostileUpstreamGateway, client: httpx.Client, coding: bytes
+@pytest.mark.parametrize(
+    "fields",
+    [[b"Transfer-Encoding: " + coding] for coding in CODINGS]
+    + [[b"Content-Length: 16", b"Transfer-Encoding: chunked"]],
+    ids=[*(coding.decode() for coding in CODINGS), "length-and-chunked"],
+)
+def test_a_coding_other_than_chunked_or_two_framings_is_a_502_never_relayed(
+    hostile: HostileUpstreamGateway, client: httpx.Client, fields: list[bytes]
 ) -> None:
-    hostile.answer = unrelayable(200, b"5\r\nhello\r\n0\r\n\r\n", [b"Transfer-Encoding: " + coding])
+    hostile.answer = unrelayable(200, b"5\r\nhello\r\n0\r\n\r\n", fields)
     key = str(uuid.uuid4())
     first = _send(client, key)
     assert first is not None

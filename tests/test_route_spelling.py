@@ -18,9 +18,11 @@ import pytest
 import yaml
 
 from idempotency_gateway.cli import main
-from idempotency_gateway.config import ConfigError, RouteMatch
+from idempotency_gateway.config import ConfigError, IdempotencyConfig, RouteMatch
+from idempotency_gateway.idempotency.policy import RoutePolicy, resolver_for
 from idempotency_gateway.main import create_gateway
 from idempotency_gateway.routing import PrefixRouter, folded, route_collisions, spelled
+from idempotency_gateway.target import RequestTarget
 from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
 from tests.support.problems import problem_slug
 from tests.support.upstream import RecordingUpstream
@@ -94,6 +96,25 @@ def test_router_matches_spellings_by_route() -> None:
     assert router.match("/v1/Refunds/re_1") == "refunds"
     assert router.match("/v1/refunds") == "root"
     assert router.match("/v1/CAF%C3%89/x") == "cafe"
+
+
+def test_the_operation_is_named_in_the_routes_spelling() -> None:
+    suffixes = RouteMatch(path_prefix="/v1/charges", format_suffixes=True)
+    policy = RoutePolicy("charges", IdempotencyConfig(), suffixes)
+    assert policy.operation("POST", RequestTarget(b"/V1/Charges.json;x=1", b"")) == (
+        "POST /v1/charges"
+    )
+    exact = RoutePolicy(
+        "exact", IdempotencyConfig(), RouteMatch(path_prefix="/", case_sensitive=True)
+    )
+    assert exact.operation("POST", RequestTarget(b"/V1/Charges", b"")) == "POST /V1/Charges"
+
+
+def test_a_library_users_prefix_map_matches_every_case() -> None:
+    resolve = resolver_for({"/v1/charges": IdempotencyConfig(key="required")})
+    policy = resolve(RequestTarget(b"/V1/CHARGES", b""))
+    assert policy is not None
+    assert policy.operation("POST", RequestTarget(b"/V1/CHARGES", b"")) == "POST /v1/charges"
 
 
 @pytest.mark.parametrize(
