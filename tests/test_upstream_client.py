@@ -655,6 +655,24 @@ async def test_a_head_that_never_ends_is_cut_off() -> None:
         await upstream.wait_closed(1)
 
 
+async def test_chunk_framing_is_bounded_apart_from_the_head_it_follows() -> None:
+    """A head just under the bound, read together with the start of the framing that follows
+    it: only what follows the head counts toward the bound on framing between pieces of body
+    (here an empty body's last chunk with a long extension)."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Big: %s\r\n\r\n" % (
+        b"h" * (MAX_HEAD - 4096)
+    )
+    extension = b";note=" + b"n" * (MAX_HEAD // 4)  # framing, no body
+
+    async def answer(request: Received, reader: asyncio.StreamReader, writer: Writer) -> None:
+        writer.write(head + b"0" + extension + b"\r\n\r\n")
+
+    async with RawUpstream(answer) as upstream, started(upstream.url) as client:
+        status, _, body = await fetch(client)
+
+    assert (status, body) == (200, b"")
+
+
 async def test_an_answer_nobody_asked_for_closes_the_connection() -> None:
     second = b"HTTP/1.1 500 Not Yours\r\nContent-Length: 4\r\n\r\nnope"
     async with (

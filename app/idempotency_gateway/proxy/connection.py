@@ -208,6 +208,7 @@ class UpstreamConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._body_in_read = False
+        head_was_done = self.head_done
         try:
             self._parser.feed_data(self._read_buffer[:nbytes])
         except httptools.HttpParserUpgrade:
@@ -218,7 +219,8 @@ class UpstreamConnection(asyncio.BufferedProtocol):
             self._head_bytes += nbytes
             if self._head_bytes > MAX_HEAD:
                 self._cut(f"a head over {MAX_HEAD} bytes")
-        elif not self.complete:
+        elif head_was_done and not self.complete:
+            # The read that ended the head is the head's, whatever else it held.
             self._framing_bytes = 0 if self._body_in_read else self._framing_bytes + nbytes
             if self._framing_bytes > MAX_HEAD:
                 self._cut(f"over {MAX_HEAD} bytes of chunk framing or trailer fields")
@@ -240,7 +242,9 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         elif (
             isinstance(exc, ssl.SSLError)
             and exc.reason in _HANDSHAKE_REFUSALS
-            and not self._head_bytes  # nothing of an answer: the handshake was never accepted
+            # Nothing of an answer: the handshake was never accepted.
+            and not self.head_done
+            and not self._head_bytes
         ):
             self._fail(
                 UpstreamNotSent(
