@@ -22,6 +22,7 @@ from idempotency_gateway.config import (
     load_config,
     single_upstream_config,
 )
+from idempotency_gateway.routing import check_routes
 from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare_metrics_directory
 from idempotency_gateway.telemetry.startup import log_startup
 
@@ -85,7 +86,13 @@ def _resolve_config(args: argparse.Namespace, settings: EnvSettings) -> GatewayC
         raise ConfigError(
             "command line", ["no upstream: give --upstream URL, --config FILE or GATEWAY_CONFIG"]
         )
-    return load_config(Path(config_path))
+    return _checked(load_config(Path(config_path)), source=str(config_path))
+
+
+def _checked(config: GatewayConfig, *, source: str) -> GatewayConfig:
+    """What a valid file can still get wrong between its entries: routes that collide."""
+    check_routes(config.routes, source=source)
+    return config
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -209,7 +216,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    config = load_config(args.file)
+    config = _checked(load_config(args.file), source=str(args.file))
     print(dump_config(config), end="")
     return 0
 

@@ -8,6 +8,7 @@ silently ignored setting. Durations are written ``250ms``, ``30s``, ``5m``, ``24
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import Collection, Iterable
 from decimal import Decimal
 from enum import StrEnum
@@ -23,6 +24,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    FilePath,
     PlainSerializer,
     SecretStr,
     ValidationError,
@@ -250,6 +252,47 @@ class BulkheadConfig(_Model):
         return self
 
 
+def _no_password() -> bytes:
+    # Without a callback OpenSSL would prompt on the terminal, and serve would hang there.
+    raise ValueError("client_key is encrypted; give the gateway an unencrypted key file")
+
+
+class TlsConfig(_Model):
+    """TLS toward an ``https`` upstream. The certificate is always verified; by default against
+    the system's CAs and for the URL's host name, which is also sent in SNI."""
+
+    # PEM: the CAs that may sign the upstream's certificate (a private CA, a mesh's root).
+    ca_bundle: FilePath | None = None
+    # PEM: the gateway's own certificate (chain) and its key, for upstreams that require mTLS.
+    # The key may be in client_cert's file instead.
+    client_cert: FilePath | None = None
+    client_key: FilePath | None = None
+    # The name sent in SNI and that the certificate must hold, when not the URL's host (an
+    # upstream reached by IP address or through a tunnel).
+    server_name: str | None = Field(None, min_length=1, max_length=253)
+    # Off only for a certificate without the name (the chain is still verified).
+    verify_hostname: bool = True
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_bundle)
+        context.check_hostname = self.verify_hostname
+        if self.client_cert is not None:
+            context.load_cert_chain(self.client_cert, self.client_key, password=_no_password)
+        return context
+
+    @model_validator(mode="after")
+    def _loads(self) -> TlsConfig:
+        if self.client_key is not None and self.client_cert is None:
+            raise ValueError("client_key needs client_cert")
+        try:
+            if self.ca_bundle is not None or self.client_cert is not None:
+                self.context()
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            # A file that is there but holds no usable PEM: refused now, not at the first call.
+            raise ValueError(f"cannot load the TLS files: {exc}") from None
+        return self
+
+
 class UpstreamConfig(_Model):
     url: AnyHttpUrl
     timeouts: TimeoutsConfig = TimeoutsConfig()
@@ -258,10 +301,17 @@ class UpstreamConfig(_Model):
     breaker: BreakerConfig = BreakerConfig()
     # Every request to this upstream, whatever its route, and every retry (``RetrySlot``).
     bulkhead: BulkheadConfig | None = None
+    tls: TlsConfig = TlsConfig()
 
     @model_validator(mode="after")
     def _queue_shorter_than_deadline(self) -> UpstreamConfig:
         _refuse_queue_past_deadline(self.bulkhead, self.timeouts, "bulkhead")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_only_for_https(self) -> UpstreamConfig:
+        if self.url.scheme != "https" and self.tls != TlsConfig():
+            raise ValueError("tls settings need an https url")
         return self
 
     @property
@@ -338,6 +388,13 @@ class IdempotencyConfig(_Model):
 
 class RouteMatch(_Model):
     path_prefix: str = Field(pattern=r"^/")
+    # Most upstream frameworks (Express, ASP.NET Core, IIS, Spring's option) route /V1/Charges
+    # to the /v1/charges handler: a policy matched by exact case would let it pass unprotected.
+    case_sensitive: bool = False
+    # Rails (and Spring's suffix pattern matching) route /v1/charges.json and /v1/charges. to
+    # the /v1/charges handler: with this on, the path's last segment also matches without
+    # everything from its first dot on.
+    format_suffixes: bool = False
 
 
 class RouteConfig(_Model):

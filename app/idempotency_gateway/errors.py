@@ -276,11 +276,12 @@ class UpstreamConnectionLost(UpstreamAmbiguous):
 
 
 class UpstreamInvalidResponse(UpstreamAmbiguous):
-    """The upstream answered, so it may have acted, but with a status that is not a final
-    HTTP answer (outside 200-599): passing it on or storing it would break every replay."""
+    """The upstream answered, so it may have acted, but not with an answer the gateway can
+    pass on whole: a status that is not a final HTTP answer (outside 200-599), or a body in a
+    transfer coding other than chunked. Passing it on or storing it would break every replay."""
 
     slug = "upstream-invalid-response"
-    title = "Upstream answered with an invalid status"
+    title = "Upstream answered with an invalid response"
 
 
 def is_final_status(status: object) -> bool:

@@ -52,7 +52,7 @@ from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.resilience.bulkhead import publish_every
 from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
-from idempotency_gateway.routing import RouteRequests
+from idempotency_gateway.routing import RouteRequests, check_routes
 from idempotency_gateway.server.heap import settle_after_startup
 from idempotency_gateway.telemetry.loop_lag import LoopLagMonitor
 from idempotency_gateway.telemetry.metrics import (
@@ -135,6 +135,7 @@ class Gateway:
     ) -> None:
         """``settle_heap``: once started, freeze the heap out of the garbage collector's way
         (``server.heap``); for a process that serves this gateway alone, as ``serve`` does."""
+        check_routes(config.routes, source="config")
         self.config = config
         self.settle_heap = settle_heap
         self.drain = drain or DrainState()

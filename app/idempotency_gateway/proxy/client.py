@@ -121,7 +121,8 @@ class UpstreamClient:
             self.name,
             host=self._host,
             port=self._port,
-            ssl_context=ssl.create_default_context() if self._tls else None,
+            ssl_context=self.config.tls.context() if self._tls else None,
+            server_name=self.config.tls.server_name,
             max_connections=self.config.pool.max_connections,
             keepalive=self.config.pool.keepalive,
         )
@@ -187,6 +188,15 @@ class UpstreamClient:
             return await pool.connect(deadline)
         except TimeoutError:
             raise UpstreamNotSent(f"connecting to upstream {self.name!r} timed out") from None
+        except ssl.SSLError as exc:
+            # Before the request: a certificate that does not verify (expired, another host's,
+            # an unknown CA) or an upstream that refused the handshake.
+            why = exc.reason or str(exc)
+            if verified := getattr(exc, "verify_message", None):
+                why = f"{why}: {verified}"
+            raise UpstreamNotSent(
+                f"the TLS handshake with upstream {self.name!r} failed ({why}); nothing was sent"
+            ) from exc
         except OSError as exc:
             raise UpstreamNotSent(f"cannot connect to upstream {self.name!r}: {exc}") from exc
 
