@@ -25,7 +25,7 @@ import pytest
 import pytest_asyncio
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.record import Status
+from idempotency_gateway.idempotency.record import Record, Status
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import route
@@ -127,8 +127,9 @@ async def stall_owner_past_takeover(
     resume: Callable[[], None],
     key: str,
     on_ambiguous: str,
-) -> httpx.Response | None:
-    """Run the scenario; return what the stalled owner's client got in the end (``None``:
+) -> tuple[httpx.Response | None, Record]:
+    """Run the scenario; return the key's record and what the stalled owner's client got in
+    the end (``None``:
     its answer was cut short, as every answer that is not the record's is)."""
     path = f"/v1/{on_ambiguous}"
     upstream = fleet.upstream
@@ -158,7 +159,7 @@ async def stall_owner_past_takeover(
     record = await fleet.store.get(record_key(key, path=path))
     assert record is not None
     assert record.status is (Status.SUCCEEDED if on_ambiguous == "retry" else Status.FAILED_FINAL)
-    return answer
+    return answer, record
 
 
 @pytest.mark.parametrize("on_ambiguous", ROUTES)
@@ -167,13 +168,23 @@ async def test_an_owner_stalled_past_its_lease_sends_nothing_after_the_takeover(
     fleet: Fleet, unique: Callable[[str], str], on_ambiguous: str, stall: str
 ) -> None:
     stopped = stall == "sigstop"
-    answer = await stall_owner_past_takeover(
+    answer, record = await stall_owner_past_takeover(
         fleet,
         stall=fleet.owner.pause if stopped else fleet.link.pause,
         resume=fleet.owner.resume if stopped else fleet.link.resume,
         key=unique(stall),
         on_ambiguous=on_ambiguous,
     )
-    # Never an answer of its own as if it were final: told to ask again, a 503 when it could
-    # not record anything either, or cut short.
-    assert answer is None or answer.status_code in (409, 503), answer.text
+    # Never an answer of its own as if it were final: the answer of record, replayed whole;
+    # told to ask again; a 503 when it could not record anything either; or cut short.
+    assert answer is None or answer.status_code in (409, 503) or is_answer_of(record, answer)
+
+
+def is_answer_of(record: Record, answer: httpx.Response) -> bool:
+    assert record.response is not None
+    replayed: bool = answer.headers.get("idempotent-replayed") == "true"
+    return (
+        replayed
+        and answer.status_code == record.response.status
+        and answer.content == record.response.body
+    )
