@@ -146,7 +146,9 @@ class TimeoutsConfig(_Model):
 
 class PoolConfig(_Model):
     max_connections: int = Field(100, ge=1, le=10_000)
-    keepalive: Duration = 15.0
+    # How long an idle connection is kept: set it below the upstream's own keep-alive
+    # timeout (5 s for Node.js and uvicorn, 2 s for gunicorn), so the gateway closes first.
+    keepalive: Duration = 4.0
 
 
 CONNECT_FAILURE: Final = "connect-failure"

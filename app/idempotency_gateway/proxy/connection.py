@@ -11,6 +11,7 @@ decision.
 from __future__ import annotations
 
 import asyncio
+import select
 from collections import deque
 from collections.abc import Callable
 from typing import cast
@@ -144,6 +145,16 @@ class UpstreamConnection(asyncio.BufferedProtocol):
                 self.transport.close()
             else:
                 self.transport.abort()
+
+    def ended_unseen(self) -> bool:
+        """Whether the socket holds what the loop has not read yet: an end-of-stream (the
+        upstream closed the idle connection a moment ago) or bytes nobody asked for. Either
+        way a request written now would be lost unsent yet look maybe processed."""
+        if self.transport is None:
+            return True
+        poller = select.poll()
+        poller.register(self.transport.get_extra_info("socket").fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def make_idle(self, now: float) -> None:
         """Between exchanges: what the last answer's consumer left unread is dropped, and
