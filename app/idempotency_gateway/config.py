@@ -404,6 +404,26 @@ class ConfigError(Exception):
         self.errors = errors
 
 
+ADMIN_TOKEN_ENV = "GATEWAY_ADMIN_TOKEN"
+# A guessable admin token opens breaker overrides and drains to anyone on the admin network.
+ADMIN_TOKEN_MIN_LENGTH = 16
+
+
+def check_admin_token(token: SecretStr | None) -> None:
+    """``ConfigError`` for a token that is set but empty or short: unset turns the operator
+    API off, while an empty one would have let ``Authorization: Bearer`` (nothing after it)
+    in."""
+    if token is not None and len(token.get_secret_value()) < ADMIN_TOKEN_MIN_LENGTH:
+        raise ConfigError(
+            "environment",
+            [
+                f"{ADMIN_TOKEN_ENV} is set but shorter than {ADMIN_TOKEN_MIN_LENGTH} characters "
+                "(unset it to turn the admin API off, or use for example the output of "
+                "`openssl rand -hex 32`)"
+            ],
+        )
+
+
 def _field_path(location: tuple[int | str, ...]) -> str:
     return ".".join(str(part) for part in location) or "(top level)"
 

@@ -26,6 +26,7 @@ from idempotency_gateway.config import (
     CacheConfig,
     EnvSettings,
     GatewayConfig,
+    check_admin_token,
     load_config,
     validate_config,
 )
@@ -127,6 +128,7 @@ class Gateway:
         self.drain = drain or DrainState()
         self.database_url = database_url_or_default(database_url)
         secret = resolve_scope_secret(scope_secret, self.database_url)
+        check_admin_token(admin_token)
         self.admin_port = admin_port
         self.store = RecordStore.from_url(self.database_url, config.store)
         self.cache, self.wakeups = replay_layer(config.cache, redis_url)
