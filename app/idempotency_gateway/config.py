@@ -296,9 +296,12 @@ class LimitsConfig(_Model):
     request_head_timeout: Duration = 10.0
     # From the end of the head until the last byte of the body.
     request_body_timeout: Duration = 60.0
-    # Per worker process, both listeners together; beyond it a connection gets a 503 problem
+    # Per worker process, on the proxy listener; beyond it a connection gets a 503 problem
     # and is closed at once.
     max_connections: int = Field(1000, ge=1, le=1_000_000)
+    # The admin listener's own budget, so that no number of proxy connections can fail
+    # /healthz (and get a healthy worker killed by its liveness probe).
+    max_admin_connections: int = Field(64, ge=1, le=100_000)
 
     @model_validator(mode="after")
     def _positive_timeouts(self) -> LimitsConfig:

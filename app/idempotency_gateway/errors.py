@@ -22,6 +22,7 @@ translated into this tree in one place each: ``proxy`` (its client, connection a
     │   └── TunnelRefused                 400, CONNECT (authority-form): the gateway is no tunnel
     ├── UnexpectedError                 a bug in the gateway (500), never a plain-text page
     ├── TooManyConnections              the worker's connection cap is reached (503)
+    ├── TransferCodingNotImplemented    a request coding other than chunked (501)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
@@ -163,6 +164,16 @@ class TooManyConnections(GatewayError):
     title = "Too many open connections"
     retryable = True
     retry_after = 1
+
+
+class TransferCodingNotImplemented(GatewayError):
+    """A request ``Transfer-Encoding`` other than a lone ``chunked`` (RFC 9112 section 6.1:
+    a server that does not understand a coding answers 501). Decoding only the chunks
+    would hand the upstream gzip bytes, say, as a plain body."""
+
+    status = 501
+    slug = "transfer-coding-not-implemented"
+    title = "Transfer coding not implemented"
 
 
 class StoreUnavailable(GatewayError):

@@ -4,13 +4,25 @@
 - The head must arrive within ``request_head_timeout`` of the connection opening (or of the
   first byte of a later request on it), the body within ``request_body_timeout`` of the
   head's end: 408. Both answers close the connection.
-- Beyond ``max_connections`` per worker a new connection gets a 503 problem and is closed.
+- Beyond ``max_connections`` proxy connections per worker a new one gets a 503 problem and
+  is closed; the admin listener has its own budget (``max_admin_connections``), so a flood
+  of proxy connections never fails the liveness probe of a healthy worker.
+- Request trailer fields (after a chunked body) are never header fields: they are counted
+  against the head's limits and dropped, whether or not they arrive in the same read as the
+  head. A chunked body that stops making progress (a trailer field or a chunk size line
+  that never ends) is bounded in bytes by ``max_request_head`` and in time by
+  ``request_head_timeout``, as a head is.
+- An absolute-form target's authority replaces ``Host`` (RFC 9112 section 3.2.2).
 - An ``Upgrade`` offer is ignored (RFC 9110 section 7.8 lets a server do so): llhttp stops
   at the head of such a request and hands everything after it back as "the new protocol",
   so the head is re-read without the offer and the body is framed as for any request. The
   connection closes after that answer, so nothing the client sends next is read as HTTP.
 - HTTP/1.0 clients never get chunked coding: an answer without Content-Length is
-  delimited by closing the connection (RFC 9112 section 6.1).
+  delimited by closing the connection (RFC 9112 section 6.1), or cut by a reset.
+- Refusing a request by its head while the client still sends its body, the server
+  lingers: the answer goes out, the write side is shut, and what the client sends is read
+  and dropped until it ends or ``LINGER_SECONDS`` pass. Closing with unread data would
+  reset the connection, and a reset can destroy the answer before the client reads it.
 
 Two savings on every request: the connection's loss is reported by callback
 (``disconnect.ConnectionLoss``, so no watcher task waits on ``receive``), and the response
@@ -21,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import httptools
@@ -42,11 +56,13 @@ from idempotency_gateway.errors import (
 from idempotency_gateway.server.disconnect import ConnectionLoss
 from idempotency_gateway.server.http10 import close_delimited
 from idempotency_gateway.server.joined_writes import HeadWithBody
-from idempotency_gateway.server.message import check_request_head
+from idempotency_gateway.server.message import check_request_head, target_authority
 from idempotency_gateway.server.raw import closing_problem, head_without_upgrade
 
 # Per field: the ": " between name and value and the CRLF that ends the line.
 _FIELD_OVERHEAD = 4
+# How long a refused client may go on sending before its connection is closed anyway.
+LINGER_SECONDS = 2.0
 
 
 class _Pending(enum.Enum):
@@ -55,13 +71,28 @@ class _Pending(enum.Enum):
     BODY = enum.auto()
 
 
-class EdgeServerConfig(uvicorn.Config):
-    """uvicorn's config plus the gateway's limits (a module-level class, so ``--workers``
-    can hand it to worker processes)."""
+@dataclass
+class _AdminConnections:
+    open: int = 0
 
-    def __init__(self, app: Any, *, limits: LimitsConfig, **options: Any) -> None:
+
+# Per server (its protocols share one ``ServerState``): the connections open on the admin
+# listener. The proxy's are the rest of ``ServerState.connections``.
+_ADMIN_CONNECTIONS: weakref.WeakKeyDictionary[ServerState, _AdminConnections] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class EdgeServerConfig(uvicorn.Config):
+    """uvicorn's config plus the gateway's limits and the admin listener's port (a
+    module-level class, so ``--workers`` can hand it to worker processes)."""
+
+    def __init__(
+        self, app: Any, *, limits: LimitsConfig, admin_port: int | None = None, **options: Any
+    ) -> None:
         super().__init__(app, http=EdgeProtocol, **options)
         self.limits = limits
+        self.admin_port = admin_port
 
 
 class EdgeProtocol(HttpToolsProtocol):
@@ -73,7 +104,12 @@ class EdgeProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self.limits = config.limits if isinstance(config, EdgeServerConfig) else LimitsConfig()
+        self._lenient_codings()
+        edge = config if isinstance(config, EdgeServerConfig) else None
+        self.limits = edge.limits if edge is not None else LimitsConfig()
+        self._admin_port = edge.admin_port if edge is not None else None
+        self._admin_connections = _ADMIN_CONNECTIONS.setdefault(server_state, _AdminConnections())
+        self._on_admin_port = False
         self._deadline: asyncio.TimerHandle | None = None
         # Bytes of the complete fields of the head being parsed: exact, whatever the chunking.
         self._field_bytes = 0
@@ -86,6 +122,15 @@ class EdgeProtocol(HttpToolsProtocol):
         # unknown: that chunk's head bytes are counted from the callbacks instead.
         self._message_ended_in_chunk = False
         self._upgrade_offered = False
+        # A chunk size line was read and neither the chunk's data nor the message's end came
+        # since: a trailer section is under way (or a chunk is late).
+        self._awaiting_chunk = False
+        # Bumped when data or the end arrives after a chunk size line: a read that leaves it
+        # unchanged added only to what the parser holds unreported (a growing trailer field).
+        self._chunk_progress = 0
+        self._bytes_without_progress = 0
+        self._stalled: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None
         # The part of a request that began in a parsed chunk and is still to come.
         self._pending = _Pending.NOTHING
         # After an answer of the server's own nothing more is read from the connection.
@@ -100,11 +145,23 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        if self._admin_port is not None:
+            sockname = transport.get_extra_info("sockname")
+            self._on_admin_port = sockname is not None and sockname[1] == self._admin_port
+        if self._on_admin_port:
+            self._admin_connections.open += 1
+            held, cap = self._admin_connections.open, self.limits.max_admin_connections
+        else:
+            held, cap = (
+                len(self.connections) - self._admin_connections.open,
+                self.limits.max_connections,
+            )
+        if held > cap:
+            listener = "admin" if self._on_admin_port else "proxy"
             self._refuse(
                 TooManyConnections(
-                    f"this gateway process already holds {self.limits.max_connections} "
-                    "connections; try again shortly"
+                    f"this gateway process already holds {cap} {listener} connections; "
+                    "try again shortly"
                 )
             )
             return
@@ -112,17 +169,24 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._cancel_stalled()
+        if self._linger is not None:
+            self._linger.cancel()
+        if self._on_admin_port:
+            self._admin_connections.open -= 1
         super().connection_lost(exc)
         self._loss.connection_lost()
 
     def data_received(self, data: bytes) -> None:
         if self._done_reading:
-            return
+            return  # a refused client's bytes, read only so that closing sends no reset
         self._unset_keepalive_if_required()
         self._chunk_size = len(data)
         self._message_ended_in_chunk = False
         if self._raw_head_bytes is not None:
             self._raw_head_bytes += len(data)
+        awaiting = self._awaiting_chunk
+        progress = self._chunk_progress
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -137,6 +201,11 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._raw_head_bytes is not None and self._raw_head_bytes > self.limits.max_request_head:
             self._refuse(self._head_too_large())
             return
+        if self._awaiting_chunk:
+            stalled = awaiting and progress == self._chunk_progress
+            self._chunk_stalled(len(data) if stalled else 0)
+            if self._done_reading:
+                return
         self._start_pending_deadline()
 
     # ------------------------------------------------------------ parser callbacks
@@ -160,6 +229,10 @@ class EdgeProtocol(HttpToolsProtocol):
                 f"the request has more than {self.limits.max_header_fields} header fields"
             )
         self._count_head_bytes(len(name) + len(value) + _FIELD_OVERHEAD)
+        if self._pending is _Pending.BODY:
+            # A trailer field (RFC 9110 section 6.5): never one of the request's header
+            # fields, which every layer has read (or will read) as the request's own.
+            return
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -168,6 +241,12 @@ class EdgeProtocol(HttpToolsProtocol):
         check_request_head(self.parser.get_http_version(), self.headers)
         if self.parser.should_upgrade() and self.parser.get_method() == b"CONNECT":
             raise TunnelRefused("the gateway forwards requests; it does not open tunnels")
+        authority = target_authority(self.url)
+        if authority is not None:
+            # RFC 9112 section 3.2.2: the target's authority is the request's, not Host's.
+            self.headers[:] = [
+                (name, authority if name == b"host" else value) for name, value in self.headers
+            ]
         self._raw_head_bytes = None
         if self.parser.should_upgrade():
             # The parser skips the body of an upgrade request: the app starts once the head
@@ -180,10 +259,20 @@ class EdgeProtocol(HttpToolsProtocol):
             # A HEAD answer has no body write to carry its head: that one goes out alone.
             self.cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
+    def on_body(self, body: bytes) -> None:
+        if self._awaiting_chunk:
+            self._chunk_arrived()
+        super().on_body(body)
+
+    def on_chunk_header(self) -> None:
+        self._awaiting_chunk = True
+
     def on_message_complete(self) -> None:
         self._message_ended_in_chunk = True
         if self._upgrade_offered:
             return
+        if self._awaiting_chunk:
+            self._chunk_arrived()
         self._pending = _Pending.NOTHING
         self._cancel_deadline()
         super().on_message_complete()
@@ -202,6 +291,43 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._field_bytes > self.limits.max_request_head:
             raise self._head_too_large()
 
+    def _chunk_arrived(self) -> None:
+        self._awaiting_chunk = False
+        self._chunk_progress += 1
+        self._bytes_without_progress = 0
+        self._cancel_stalled()
+
+    def _chunk_stalled(self, size: int) -> None:
+        """A read ended after a chunk size line with no data or end since: what follows is
+        bounded as a head is, ``size`` more bytes of it held by the parser unreported (one
+        trailer field, which httptools accumulates whole before it calls back)."""
+        self._bytes_without_progress += size
+        if self._bytes_without_progress > self.limits.max_request_head:
+            self._refuse(
+                RequestHeadTooLarge(
+                    f"the request's trailer section is larger than "
+                    f"{self.limits.max_request_head} bytes"
+                )
+            )
+        elif self._stalled is None:
+            self._stalled = self.loop.call_later(
+                self.limits.request_head_timeout, self._stalled_too_long
+            )
+
+    def _stalled_too_long(self) -> None:
+        self._stalled = None
+        self._refuse(
+            RequestTimeout(
+                "the request's trailer section (or a chunk after its size line) did not "
+                f"arrive within {self.limits.request_head_timeout:g}s"
+            )
+        )
+
+    def _cancel_stalled(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
     def _head_too_large(self) -> RequestHeadTooLarge:
         return RequestHeadTooLarge(
             f"the request head is larger than {self.limits.max_request_head} bytes"
@@ -213,8 +339,16 @@ class EdgeProtocol(HttpToolsProtocol):
         )
         self._upgrade_offered = False
         self.parser = httptools.HttpRequestParser(self)
-        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self._lenient_codings()
         self.data_received(head + rest)
+
+    def _lenient_codings(self) -> None:
+        """Let every ``Transfer-Encoding`` reach ``check_request_head``, which answers a
+        coding other than chunked with a 501 (llhttp would refuse ``chunked, gzip`` as a bare
+        parse error), and keep uvicorn's answer to a request pipelined after a close."""
+        self.parser.set_dangerous_leniencies(
+            lenient_data_after_close=True, lenient_transfer_encoding=True
+        )
 
     def _start_pending_deadline(self) -> None:
         """Start the deadline of the part still to come once a chunk is parsed: a head or a
@@ -268,6 +402,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self.logger.info("closing a connection: %s", error.detail)
         self._done_reading = True
         self._cancel_deadline()
+        self._cancel_stalled()
         if self.transport.is_closing():
             return
         if self._answer_would_be_understood():
@@ -278,4 +413,15 @@ class EdgeProtocol(HttpToolsProtocol):
             # disconnect (nothing executes), and nothing it sends is written any more.
             cycle.disconnected = True
             cycle.message_event.set()
-        self.transport.close()
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Shut the write side once the answer is out, and read (and drop) what the client
+        still sends until it ends (``eof_received`` then closes) or the linger runs out."""
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        # uvicorn pauses reading while an app lags behind the body: the rest must drain.
+        self.transport.resume_reading()
+        self._linger = self.loop.call_later(LINGER_SECONDS, self.transport.close)
