@@ -198,13 +198,15 @@ NOT_AN_HTTP_URI = [
     b"http:///v1/where",
     b"http://real .test/v1/where",
 ]
-# (target, Host, the X-Forwarded-Host the upstream gets)
+# (target, Host, the path and the X-Forwarded-Host the upstream gets)
 AUTHORITIES = [
-    (b"/v1/where", b"edge.test:65535", ["edge.test:65535"]),
-    (b"/v1/where", b"[::1]:8080", ["[::1]:8080"]),
-    (b"/v1/where", b"", []),
-    (b"http://real.test:8443/v1/where?x=1", b"edge.test", ["real.test:8443"]),
-    (b"HTTPS://Real.test/v1/where", b"edge.test", ["Real.test"]),
+    (b"/v1/where", b"edge.test:65535", "/v1/where", ["edge.test:65535"]),
+    (b"/v1/where", b"[::1]:8080", "/v1/where", ["[::1]:8080"]),
+    (b"/v1/where", b"", "/v1/where", []),
+    (b"http://real.test:8443/v1/where?x=1", b"edge.test", "/v1/where", ["real.test:8443"]),
+    (b"HTTPS://Real.test/v1/where", b"edge.test", "/v1/where", ["Real.test"]),
+    # An empty path is / (RFC 9112 section 3.2.2).
+    (b"http://real.test?where=1", b"edge.test", "/", ["real.test"]),
 ]
 
 
@@ -235,7 +237,7 @@ async def test_host_and_absolute_targets_must_name_an_http_authority(
     nothing_ran = upstream.executions_of_test_id(test_id)
     answers = [
         parse_reply(await exchange(gateway.port, get(target, host, test_id)))
-        for target, host, _ in AUTHORITIES
+        for target, host, _, _ in AUTHORITIES
     ]
 
     for reply in bad_hosts + bad_targets:
@@ -243,10 +245,10 @@ async def test_host_and_absolute_targets_must_name_an_http_authority(
     assert nothing_ran == []
     assert [reply.status for reply in answers] == [201] * len(AUTHORITIES)
     executions = upstream.executions_of_test_id(test_id)
-    assert [execution.path for execution in executions] == ["/v1/where"] * len(AUTHORITIES)
+    assert [execution.path for execution in executions] == [path for _, _, path, _ in AUTHORITIES]
     # The target's authority, when it has one, is the request's (RFC 9112 section 3.2.2).
     assert [e.header_values("X-Forwarded-Host") for e in executions] == [
-        forwarded for _, _, forwarded in AUTHORITIES
+        forwarded for _, _, _, forwarded in AUTHORITIES
     ]
 
 

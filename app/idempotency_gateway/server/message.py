@@ -40,9 +40,10 @@ def _check_authority(authority: bytes, what: str) -> None:
         raise MalformedRequest(f"{what} is not a host with an optional port (0 to {_MAX_PORT})")
 
 
-def target_authority(target: bytes) -> bytes | None:
-    """The authority of an absolute-form target (``http://host:port/path``), ``None`` for any
-    other form; ``MalformedRequest`` for one the gateway does not serve."""
+def absolute_form(target: bytes) -> tuple[bytes, bytes] | None:
+    """The authority of an absolute-form target (``http://host:port/path``) and the target
+    with its path made explicit (an empty one is ``/``, RFC 9112 section 3.2.2); ``None``
+    for any other form, ``MalformedRequest`` for one the gateway does not serve."""
     scheme, separator, rest = target.partition(b"://")
     if not separator or b"/" in scheme:
         return None
@@ -52,7 +53,10 @@ def target_authority(target: bytes) -> bytes | None:
     if b"@" in authority:
         raise MalformedRequest("the request target holds user information (user@host)")
     _check_authority(authority, "the request target's authority")
-    return authority
+    after = rest[len(authority) :]
+    if not after.startswith(b"/"):
+        target = scheme + separator + authority + b"/" + after
+    return authority, target
 
 
 def _check_transfer_coding(values: list[bytes]) -> None:

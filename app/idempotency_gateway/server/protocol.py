@@ -56,7 +56,7 @@ from idempotency_gateway.errors import (
 from idempotency_gateway.server.disconnect import ConnectionLoss
 from idempotency_gateway.server.http10 import close_delimited
 from idempotency_gateway.server.joined_writes import HeadWithBody
-from idempotency_gateway.server.message import check_request_head, target_authority
+from idempotency_gateway.server.message import absolute_form, check_request_head
 from idempotency_gateway.server.raw import closing_problem, head_without_upgrade
 
 # Per field: the ": " between name and value and the CRLF that ends the line.
@@ -241,8 +241,9 @@ class EdgeProtocol(HttpToolsProtocol):
         check_request_head(self.parser.get_http_version(), self.headers)
         if self.parser.should_upgrade() and self.parser.get_method() == b"CONNECT":
             raise TunnelRefused("the gateway forwards requests; it does not open tunnels")
-        authority = target_authority(self.url)
-        if authority is not None:
+        absolute = absolute_form(self.url)
+        if absolute is not None:
+            authority, self.url = absolute
             # RFC 9112 section 3.2.2: the target's authority is the request's, not Host's.
             self.headers[:] = [
                 (name, authority if name == b"host" else value) for name, value in self.headers
