@@ -265,7 +265,8 @@ def test_limits_have_safe_defaults_load_back_and_refuse_zero_deadlines(tmp_path:
         defaults.request_head_timeout,
         defaults.request_body_timeout,
         defaults.max_connections,
-    ) == (32 * 1024, 100, 10.0, 60.0, 1000)
+        defaults.max_admin_connections,
+    ) == (32 * 1024, 100, 10.0, 60.0, 1000, 64)
     tight = gateway_config("http://127.0.0.1:9", limits=TIGHT_LIMITS)
     path = tmp_path / "printed.yaml"
     path.write_text(dump_config(tight), encoding="utf-8")

@@ -152,8 +152,11 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         way a request written now would be lost unsent yet look maybe processed."""
         if self.transport is None:
             return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False  # nothing to look at: the loop reports the end as before
         poller = select.poll()
-        poller.register(self.transport.get_extra_info("socket").fileno(), select.POLLIN)
+        poller.register(sock.fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
     def make_idle(self, now: float) -> None:

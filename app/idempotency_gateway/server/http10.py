@@ -40,6 +40,8 @@ _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 def reset(transport: asyncio.Transport) -> None:
     """Drop the connection with a TCP reset, so the peer cannot take it for an end."""
+    if transport.is_closing():
+        return  # already going (the client left): nothing to tell it any more
     sock = transport.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
