@@ -252,6 +252,46 @@ async def test_host_and_absolute_targets_must_name_an_http_authority(
     ]
 
 
+# ------------------------------------------------------------------- query fingerprints
+
+# Pairs an upstream may read as two requests: fields split at ";" too (so the values of "a"
+# come in another order), and a malformed escape kept as is versus an encoded "%".
+DISTINCT_QUERIES = [("x=1;a=2&a=3", "a=3&x=1;a=2"), ("q=%GG", "q=%25GG")]
+
+
+async def test_queries_an_upstream_can_tell_apart_never_share_a_key(
+    gateway: GatewayProcess, upstream: RecordingUpstream
+) -> None:
+    keys = [new_key() for _ in DISTINCT_QUERIES]
+    first, second, again = [], [], []
+    for key, (query, other) in zip(keys, DISTINCT_QUERIES, strict=True):
+        fields = [("Idempotency-Key", key), ("Connection", "close")]
+        first.append(
+            parse_reply(
+                await exchange(gateway.port, request("POST", f"{CHARGES}?{query}", fields, b"{}"))
+            )
+        )
+        second.append(
+            parse_reply(
+                await exchange(gateway.port, request("POST", f"{CHARGES}?{other}", fields, b"{}"))
+            )
+        )
+        again.append(
+            parse_reply(
+                await exchange(gateway.port, request("POST", f"{CHARGES}?{query}", fields, b"{}"))
+            )
+        )
+
+    assert [reply.status for reply in first] == [201] * len(keys)
+    # Not a replay of the first request's answer: the key was reused for another request.
+    assert [(reply.status, reply.problem_slug) for reply in second] == [
+        (422, "idempotency-key-reused")
+    ] * len(keys)
+    # The same bytes again are the same request: replayed.
+    assert [reply.headers.get("idempotent-replayed") for reply in again] == ["true"] * len(keys)
+    assert [upstream.count(key) for key in keys] == [1] * len(keys)
+
+
 # ------------------------------------------------------------------ HTTP/1.0, cut short
 
 
