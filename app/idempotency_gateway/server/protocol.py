@@ -419,7 +419,11 @@ class EdgeProtocol(HttpToolsProtocol):
     def _close_lingering(self) -> None:
         """Shut the write side once the answer is out, and read (and drop) what the client
         still sends until it ends (``eof_received`` then closes) or the linger runs out."""
-        if not self.transport.can_write_eof():
+        cycle = self.cycle
+        answering = cycle is not None and cycle.response_started and not cycle.response_complete
+        if answering or not self.transport.can_write_eof():
+            # An answer under way may still flush its held head (joined_writes): no write may
+            # follow a shut write side, so this connection closes as before.
             self.transport.close()
             return
         self.transport.write_eof()
