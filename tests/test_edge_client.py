@@ -210,16 +210,9 @@ AUTHORITIES = [
 ]
 
 
-def get(target: bytes, host: bytes, test_id: str) -> bytes:
-    return (
-        b"GET "
-        + target
-        + b" HTTP/1.1\r\nHost: "
-        + host
-        + b"\r\nX-Test-Id: "
-        + test_id.encode()
-        + b"\r\nConnection: close\r\n\r\n"
-    )
+def get(target: bytes, host: bytes, test_id: str, method: bytes = b"GET") -> bytes:
+    fields = b"Host: " + host + b"\r\nX-Test-Id: " + test_id.encode() + b"\r\nConnection: close"
+    return method + b" " + target + b" HTTP/1.1\r\n" + fields + b"\r\n\r\n"
 
 
 async def test_host_and_absolute_targets_must_name_an_http_authority(
@@ -234,6 +227,9 @@ async def test_host_and_absolute_targets_must_name_an_http_authority(
         parse_reply(await exchange(gateway.port, get(target, b"edge.test", test_id)))
         for target in NOT_AN_HTTP_URI
     ]
+    # With no path, OPTIONS names the server itself (RFC 9112 section 3.2.4), as OPTIONS *.
+    server_wide = get(b"http://real.test", b"edge.test", test_id, method=b"OPTIONS")
+    bad_targets.append(parse_reply(await exchange(gateway.port, server_wide)))
     nothing_ran = upstream.executions_of_test_id(test_id)
     answers = [
         parse_reply(await exchange(gateway.port, get(target, host, test_id)))

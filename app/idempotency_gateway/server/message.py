@@ -40,7 +40,7 @@ def _check_authority(authority: bytes, what: str) -> None:
         raise MalformedRequest(f"{what} is not a host with an optional port (0 to {_MAX_PORT})")
 
 
-def absolute_form(target: bytes) -> tuple[bytes, bytes] | None:
+def absolute_form(method: bytes, target: bytes) -> tuple[bytes, bytes] | None:
     """The authority of an absolute-form target (``http://host:port/path``) and the target
     with its path made explicit (an empty one is ``/``, RFC 9112 section 3.2.2); ``None``
     for any other form, ``MalformedRequest`` for one the gateway does not serve."""
@@ -55,6 +55,9 @@ def absolute_form(target: bytes) -> tuple[bytes, bytes] | None:
     _check_authority(authority, "the request target's authority")
     after = rest[len(authority) :]
     if not after.startswith(b"/"):
+        if method == b"OPTIONS":
+            # Section 3.2.4: this names the server itself, as OPTIONS * does, not /.
+            raise MalformedRequest("OPTIONS for the server itself (*) is not served here")
         target = scheme + separator + authority + b"/" + after
     return authority, target
 

@@ -241,7 +241,7 @@ class EdgeProtocol(HttpToolsProtocol):
         check_request_head(self.parser.get_http_version(), self.headers)
         if self.parser.should_upgrade() and self.parser.get_method() == b"CONNECT":
             raise TunnelRefused("the gateway forwards requests; it does not open tunnels")
-        absolute = absolute_form(self.url)
+        absolute = absolute_form(self.parser.get_method(), self.url)
         if absolute is not None:
             authority, self.url = absolute
             # RFC 9112 section 3.2.2: the target's authority is the request's, not Host's.
