@@ -9,9 +9,7 @@
   of proxy connections never fails the liveness probe of a healthy worker.
 - Request trailer fields (after a chunked body) are never header fields: they are counted
   against the head's limits and dropped, whether or not they arrive in the same read as the
-  head. A chunked body that stops making progress (a trailer field or a chunk size line
-  that never ends) is bounded in bytes by ``max_request_head`` and in time by
-  ``request_head_timeout``, as a head is.
+  head; what follows a chunk size line is bounded as a head is (``chunks.ChunkWatch``).
 - An absolute-form target's authority replaces ``Host`` (RFC 9112 section 3.2.2).
 - An ``Upgrade`` offer is ignored (RFC 9110 section 7.8 lets a server do so): llhttp stops
   at the head of such a request and hands everything after it back as "the new protocol",
@@ -53,6 +51,7 @@ from idempotency_gateway.errors import (
     TooManyConnections,
     TunnelRefused,
 )
+from idempotency_gateway.server.chunks import ChunkWatch
 from idempotency_gateway.server.disconnect import ConnectionLoss
 from idempotency_gateway.server.http10 import close_delimited
 from idempotency_gateway.server.joined_writes import HeadWithBody
@@ -122,14 +121,7 @@ class EdgeProtocol(HttpToolsProtocol):
         # unknown: that chunk's head bytes are counted from the callbacks instead.
         self._message_ended_in_chunk = False
         self._upgrade_offered = False
-        # A chunk size line was read and neither the chunk's data nor the message's end came
-        # since: a trailer section is under way (or a chunk is late).
-        self._awaiting_chunk = False
-        # Bumped when data or the end arrives after a chunk size line: a read that leaves it
-        # unchanged added only to what the parser holds unreported (a growing trailer field).
-        self._chunk_progress = 0
-        self._bytes_without_progress = 0
-        self._stalled: asyncio.TimerHandle | None = None
+        self._chunks = ChunkWatch(self.loop, self.limits, self._refuse)
         self._linger: asyncio.TimerHandle | None = None
         # The part of a request that began in a parsed chunk and is still to come.
         self._pending = _Pending.NOTHING
@@ -169,7 +161,7 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
-        self._cancel_stalled()
+        self._chunks.cancel()
         if self._linger is not None:
             self._linger.cancel()
         if self._on_admin_port:
@@ -185,8 +177,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._message_ended_in_chunk = False
         if self._raw_head_bytes is not None:
             self._raw_head_bytes += len(data)
-        awaiting = self._awaiting_chunk
-        progress = self._chunk_progress
+        mark = self._chunks.mark()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -201,11 +192,9 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._raw_head_bytes is not None and self._raw_head_bytes > self.limits.max_request_head:
             self._refuse(self._head_too_large())
             return
-        if self._awaiting_chunk:
-            stalled = awaiting and progress == self._chunk_progress
-            self._chunk_stalled(len(data) if stalled else 0)
-            if self._done_reading:
-                return
+        self._chunks.after_read(mark, len(data))
+        if self._done_reading:
+            return
         self._start_pending_deadline()
 
     # ------------------------------------------------------------ parser callbacks
@@ -261,19 +250,19 @@ class EdgeProtocol(HttpToolsProtocol):
             self.cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_body(self, body: bytes) -> None:
-        if self._awaiting_chunk:
-            self._chunk_arrived()
+        if self._chunks.awaiting:
+            self._chunks.arrived()
         super().on_body(body)
 
     def on_chunk_header(self) -> None:
-        self._awaiting_chunk = True
+        self._chunks.size_line()
 
     def on_message_complete(self) -> None:
         self._message_ended_in_chunk = True
         if self._upgrade_offered:
             return
-        if self._awaiting_chunk:
-            self._chunk_arrived()
+        if self._chunks.awaiting:
+            self._chunks.arrived()
         self._pending = _Pending.NOTHING
         self._cancel_deadline()
         super().on_message_complete()
@@ -291,43 +280,6 @@ class EdgeProtocol(HttpToolsProtocol):
             self._raw_head_bytes += size
         if self._field_bytes > self.limits.max_request_head:
             raise self._head_too_large()
-
-    def _chunk_arrived(self) -> None:
-        self._awaiting_chunk = False
-        self._chunk_progress += 1
-        self._bytes_without_progress = 0
-        self._cancel_stalled()
-
-    def _chunk_stalled(self, size: int) -> None:
-        """A read ended after a chunk size line with no data or end since: what follows is
-        bounded as a head is, ``size`` more bytes of it held by the parser unreported (one
-        trailer field, which httptools accumulates whole before it calls back)."""
-        self._bytes_without_progress += size
-        if self._bytes_without_progress > self.limits.max_request_head:
-            self._refuse(
-                RequestHeadTooLarge(
-                    f"the request's trailer section is larger than "
-                    f"{self.limits.max_request_head} bytes"
-                )
-            )
-        elif self._stalled is None:
-            self._stalled = self.loop.call_later(
-                self.limits.request_head_timeout, self._stalled_too_long
-            )
-
-    def _stalled_too_long(self) -> None:
-        self._stalled = None
-        self._refuse(
-            RequestTimeout(
-                "the request's trailer section (or a chunk after its size line) did not "
-                f"arrive within {self.limits.request_head_timeout:g}s"
-            )
-        )
-
-    def _cancel_stalled(self) -> None:
-        if self._stalled is not None:
-            self._stalled.cancel()
-            self._stalled = None
 
     def _head_too_large(self) -> RequestHeadTooLarge:
         return RequestHeadTooLarge(
@@ -403,7 +355,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self.logger.info("closing a connection: %s", error.detail)
         self._done_reading = True
         self._cancel_deadline()
-        self._cancel_stalled()
+        self._chunks.cancel()
         if self.transport.is_closing():
             return
         if self._answer_would_be_understood():
