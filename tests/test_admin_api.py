@@ -35,13 +35,13 @@ from pydantic import SecretStr
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_gateway.config import GatewayConfig
+from idempotency_gateway.config import ADMIN_TOKEN_ENV, ConfigError, GatewayConfig
 from idempotency_gateway.idempotency.cache import cache_key
 from idempotency_gateway.idempotency.schema import breaker_overrides
 from idempotency_gateway.main import Gateway, create_gateway
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
 from tests.support.charges import CHARGE, CHARGES
-from tests.support.gateway import CLI_SERVER_OPTIONS, route
+from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route
 from tests.support.keyed import (
     AUTHORIZATION,
     is_replay,
@@ -196,7 +196,11 @@ WRONG_CREDENTIALS = {
     "token without scheme": TOKEN,
     "other scheme": f"Basic {TOKEN}",
     "token prefix": f"Bearer {TOKEN[:-1]}",
+    "scheme alone": "Bearer",
+    "token glued to the scheme": f"Bearer{TOKEN}",
 }
+# RFC 9110 section 11.1: the scheme is case-insensitive, and one or more spaces follow it.
+RIGHT_CREDENTIALS = [f"bearer {TOKEN}", f"BEARER {TOKEN}", f"bEaReR {TOKEN}", f"Bearer   {TOKEN}"]
 
 
 async def call_admin(
@@ -231,6 +235,25 @@ async def test_every_admin_endpoint_answers_only_the_right_bearer_token(
 
         allowed = await call_admin(gateway, call, key, payments, ADMIN)
         assert allowed.status_code == 200, (name, allowed.text)
+
+
+async def test_the_bearer_scheme_is_accepted_in_any_case(gateway: AdminGateway) -> None:
+    for credential in RIGHT_CREDENTIALS:
+        answer = await gateway.admin.get("/admin/breakers", headers={"Authorization": credential})
+        assert answer.status_code == 200, (credential, answer.text)
+
+
+@pytest.mark.parametrize("token", ["", " ", "short-token-15ch"[:15]])
+def test_an_empty_or_short_admin_token_is_refused_naming_the_variable(
+    token: str, postgres_url: str
+) -> None:
+    with pytest.raises(ConfigError, match=ADMIN_TOKEN_ENV):
+        create_gateway(
+            gateway_config("http://127.0.0.1:9"),
+            database_url=postgres_url,
+            admin_token=SecretStr(token),
+            scope_secret=SecretStr(TEST_SCOPE_SECRET),
+        )
 
 
 async def test_admin_api_is_off_and_says_so_without_a_configured_token(

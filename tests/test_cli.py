@@ -186,6 +186,26 @@ async def test_serve_with_a_bad_config_file_exits_2_naming_the_field(tmp_path: P
     assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
 
 
+@pytest.mark.usefixtures("clean_environment")
+@pytest.mark.parametrize("token", ["", "fifteen-chars-x"])
+async def test_serve_with_an_empty_or_short_admin_token_exits_2_naming_it(
+    tmp_path: Path, token: str
+) -> None:
+    code, output = await run_cli(
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        env={"GATEWAY_ADMIN_TOKEN": token},
+        cwd=tmp_path,
+    )
+
+    assert code == 2
+    assert "GATEWAY_ADMIN_TOKEN" in output
+    assert "16 characters" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()  # refused before the store
+
+
 # ----------------------------------------------------------------------------- migrate
 
 

@@ -45,6 +45,7 @@ from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.errors import InvalidRequestTarget
 from idempotency_gateway.idempotency.schema import OPERATION_MAX_LENGTH
 from idempotency_gateway.main import create_gateway
+from idempotency_gateway.server.protocol import EdgeProtocol
 from idempotency_gateway.target import canonical_path
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.background import InBackgroundThread
@@ -53,6 +54,7 @@ from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route
 from tests.support.raw_http import (
     Reply,
     assert_clear_answer,
+    chunked_request_bytes,
     exchange,
     request_bytes,
 )
@@ -89,7 +91,8 @@ def hostile_config(upstream_url: str) -> GatewayConfig:
 
 class BackgroundGateway(InBackgroundThread):
     """``create_gateway`` and the recording upstream, served over loopback from a thread with
-    its own event loop, so synchronous hypothesis tests can talk to it with raw sockets."""
+    its own event loop, so synchronous hypothesis tests can talk to it with raw sockets. The
+    HTTP server is the gateway's own edge protocol, as under ``serve``."""
 
     def __init__(self, *, database_url: str, redis_url: str | None = None) -> None:
         super().__init__(name="hostile-gateway", startup_timeout=30.0)
@@ -109,7 +112,7 @@ class BackgroundGateway(InBackgroundThread):
                 scope_secret=SecretStr(TEST_SCOPE_SECRET),
             )
             async with (
-                serve_asgi(gateway, **CLI_SERVER_OPTIONS) as url,
+                serve_asgi(gateway, http=EdgeProtocol, **CLI_SERVER_OPTIONS) as url,
                 serve_asgi(gateway.admin, lifespan="off") as admin_url,
             ):
                 self.upstream = upstream
@@ -566,6 +569,101 @@ def test_odd_headers_get_a_clear_answer_and_hop_by_hop_ones_stop_here(
         # The only refusal the gateway makes here: a deadline the client made too short.
         assert reply.slug() == "deadline-exhausted", reply
         assert _deadline_too_short(extra)
+        assert hostile.executions_of(tenant) == []
+    assert_still_answers(hostile)
+
+
+# ------------------------------------------------------------ trailers and transfer codings
+
+transfer_coding = st.one_of(
+    st.just(b"chunked"),
+    st.sampled_from(
+        [
+            b"Chunked",
+            b"CHUNKED ",
+            b"gzip, chunked",
+            b"chunked, gzip",
+            b"gzip",
+            b"identity",
+            b"deflate,chunked",
+            b"chunked, chunked",
+            b"chunked,",
+            b",chunked",
+            b"chunked;q=1",
+            b"x-custom",
+        ]
+    ),
+)
+# Trailer names the gateway must never read as fields: its own, framing, the scope, the key.
+SENSITIVE_TRAILERS = [
+    b"Idempotency-Key",
+    b"Authorization",
+    b"Content-Length",
+    b"Transfer-Encoding",
+    b"Host",
+    b"X-Forwarded-Host",
+    b"Connection",
+    b"X-HTTP-Method-Override",
+]
+trailer_field = st.tuples(
+    st.one_of(
+        header_name.map(lambda name: b"X-Trailer-" + name), st.sampled_from(SENSITIVE_TRAILERS)
+    ),
+    header_value,
+)
+
+
+def _lone_chunked(codings: list[bytes]) -> bool:
+    return len(codings) == 1 and codings[0].strip(b" \t").lower() == b"chunked"
+
+
+def _unknown_coding(codings: list[bytes]) -> bool:
+    tokens = {token.strip(b" \t").lower() for value in codings for token in value.split(b",")}
+    return bool(tokens - {b"chunked", b""})
+
+
+@EXAMPLES
+@given(
+    codings=st.lists(transfer_coding, min_size=1, max_size=2),
+    chunks=st.lists(st.binary(min_size=1, max_size=60), max_size=4),
+    trailers=st.lists(trailer_field, max_size=6),
+    pieces=st.integers(1, 3),
+)
+@example(codings=[b"chunked"], chunks=[b"{}"], trailers=[(b"Idempotency-Key", b"t")], pieces=1)
+@example(codings=[b"gzip, chunked"], chunks=[b"\x1f\x8b"], trailers=[], pieces=1)
+def test_trailers_and_transfer_codings_never_reach_the_upstream_as_fields(
+    hostile: BackgroundGateway,
+    codings: list[bytes],
+    chunks: list[bytes],
+    trailers: list[tuple[bytes, bytes]],
+    pieces: int,
+) -> None:
+    """A lone ``chunked`` body is proxied whole and its trailer fields are dropped (never a
+    key, a scope, a length or a field upstream), however the request is split; any other
+    coding is refused by its head (501, or 400 for chunked written twice or around an
+    empty element) and nothing runs."""
+    tenant = new_tenant()
+    headers = keyed(tenant, b"trailers")
+    raw = chunked_request_bytes(
+        b"POST", CHARGES.encode(), headers, chunks, trailers, codings=codings
+    )
+    reply = assert_clear_answer(hostile.send(raw, pieces=pieces))
+    body = b"".join(chunks)
+    # llhttp refuses a Content-Length among the trailers of a chunked body: a 400, as safe.
+    length_trailer = any(name.lower() == b"content-length" for name, _ in trailers)
+    if _lone_chunked(codings) and not length_trailer:
+        execution = assert_proxied_once(hostile, tenant, reply, body)
+        assert execution.header_values("Idempotency-Key") == ["trailers"]
+        trailer_only = {
+            name.decode().lower() for name, _ in trailers if name.startswith(b"X-Trailer-")
+        }
+        assert not trailer_only & {name.lower() for name, _ in execution.raw_headers}
+    else:
+        unknown = _unknown_coding(codings)
+        expected = (
+            (501, "transfer-coding-not-implemented") if unknown else (400, "malformed-request")
+        )
+        assert (reply.status, reply.slug()) == expected, reply
         assert hostile.executions_of(tenant) == []
     assert_still_answers(hostile)
 

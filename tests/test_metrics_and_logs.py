@@ -593,7 +593,7 @@ async def test_retry_startup_and_admin_lines_say_who_what_and_where(
     assert password in database_url
     gateway = await start_gateway(
         charges_config(upstream.url, payments),
-        env={"GATEWAY_DATABASE_URL": database_url, "GATEWAY_ADMIN_TOKEN": "signals-token"},
+        env={"GATEWAY_DATABASE_URL": database_url, "GATEWAY_ADMIN_TOKEN": "signals-admin-token"},
         extra_args=["--log-format", "json"],
     )
     [worker] = await worker_pids(gateway, 1)
@@ -602,7 +602,7 @@ async def test_retry_startup_and_admin_lines_say_who_what_and_where(
     forced = await client.put(
         f"{gateway.admin_url}/admin/breakers/{payments}",
         json={"state": "forced_open"},
-        headers={"Authorization": "Bearer signals-token"},
+        headers={"Authorization": "Bearer signals-admin-token"},
     )
     assert forced.status_code == 200, forced.text
 

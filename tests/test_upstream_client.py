@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import os
+import select
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -320,6 +323,38 @@ async def test_an_idle_connection_the_upstream_closed_is_not_reused() -> None:
         assert (await fetch(client))[2] == b"ok"
 
     assert [received.connection for received in upstream.requests] == [1, 2]
+
+
+def wait_until_readable(fileno: int) -> None:
+    """Block (the loop too, on purpose) until the kernel holds something for ``fileno``."""
+    poller = select.poll()
+    poller.register(fileno, select.POLLIN)
+    assert poller.poll(5000), "nothing arrived on the connection"
+
+
+async def test_an_end_of_stream_the_loop_has_not_read_yet_is_seen_before_the_request() -> None:
+    """The upstream closes an idle connection just as a request takes it: the end is in the
+    socket, but the loop has not run to report it. The request must go out on a fresh
+    connection, not onto one the upstream will never read (nothing there to call ambiguous)."""
+    async with RawUpstream(answering(OK)) as upstream, started(upstream.url) as client:
+        await fetch(client)
+        idle = client.pool.idle_connection(client.pool.loop.time())
+        assert idle is not None
+        assert idle.transport is not None
+        # The upstream's end, sent from outside the loop, then waited for without running it.
+        upstream_end = upstream.writers[0].get_extra_info("socket").fileno()
+        with socket.socket(fileno=os.dup(upstream_end)) as end:
+            end.shutdown(socket.SHUT_WR)
+        wait_until_readable(idle.transport.get_extra_info("socket").fileno())
+        client.pool.release(idle, reusable=True)
+        assert (await fetch(client))[2] == b"ok"
+
+    assert [received.connection for received in upstream.requests] == [1, 2]
+
+
+def test_idle_connections_are_closed_before_common_upstream_idle_timeouts() -> None:
+    # Node.js and uvicorn close idle connections after 5 s: the gateway must close first.
+    assert UpstreamConfig(url="http://127.0.0.1:9").pool.keepalive < 5.0
 
 
 async def test_an_idle_connection_past_keepalive_is_closed_not_reused() -> None:

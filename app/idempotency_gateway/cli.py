@@ -17,6 +17,7 @@ from idempotency_gateway.config import (
     EnvSettings,
     GatewayConfig,
     StoreConfig,
+    check_admin_token,
     dump_config,
     environment_settings,
     load_config,
@@ -122,6 +123,7 @@ def _run_server(
 
     database_url = database_url_or_default(settings.database_url)
     # Refuse here, with a clear message, rather than in every worker.
+    check_admin_token(settings.admin_token)
     resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.

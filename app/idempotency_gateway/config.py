@@ -181,7 +181,9 @@ class TimeoutsConfig(_Model):
 
 class PoolConfig(_Model):
     max_connections: int = Field(100, ge=1, le=10_000)
-    keepalive: Duration = 15.0
+    # How long an idle connection is kept: set it below the upstream's own keep-alive
+    # timeout (5 s for Node.js and uvicorn, 2 s for gunicorn), so the gateway closes first.
+    keepalive: Duration = 4.0
 
 
 CONNECT_FAILURE: Final = "connect-failure"
@@ -429,9 +431,12 @@ class LimitsConfig(_Model):
     # not the gateway, closes an idle connection: when the gateway closes first, a request the
     # balancer sends on that connection at the same moment is lost and answered with a 502.
     keepalive_timeout: Duration = 75.0
-    # Per worker process, both listeners together; beyond it a connection gets a 503 problem
+    # Per worker process, on the proxy listener; beyond it a connection gets a 503 problem
     # and is closed at once.
     max_connections: int = Field(1000, ge=1, le=1_000_000)
+    # The admin listener's own budget, so that no number of proxy connections can fail
+    # /healthz (and get a healthy worker killed by its liveness probe).
+    max_admin_connections: int = Field(64, ge=1, le=100_000)
 
     @model_validator(mode="after")
     def _positive_timeouts(self) -> LimitsConfig:
@@ -622,6 +627,26 @@ class ConfigError(Exception):
 def _message(error: ErrorDetails) -> str:
     # pydantic words a validator's ValueError as "Value error, <ours>"; ours says it all.
     return error["msg"].removeprefix("Value error, ")
+
+
+ADMIN_TOKEN_ENV = "GATEWAY_ADMIN_TOKEN"
+# A guessable admin token opens breaker overrides and drains to anyone on the admin network.
+ADMIN_TOKEN_MIN_LENGTH = 16
+
+
+def check_admin_token(token: SecretStr | None) -> None:
+    """``ConfigError`` for a token that is set but empty or short: unset turns the operator
+    API off, while an empty one would have let ``Authorization: Bearer`` (nothing after it)
+    in."""
+    if token is not None and len(token.get_secret_value()) < ADMIN_TOKEN_MIN_LENGTH:
+        raise ConfigError(
+            "the environment",
+            [
+                f"{ADMIN_TOKEN_ENV} is set but shorter than {ADMIN_TOKEN_MIN_LENGTH} characters "
+                "(unset it to turn the admin API off, or use for example the output of "
+                "`openssl rand -hex 32`)"
+            ],
+        )
 
 
 def _field_path(location: tuple[int | str, ...]) -> str:

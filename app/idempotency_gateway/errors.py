@@ -23,6 +23,7 @@ translated into this tree in one place each: ``proxy`` (its client, connection a
     ├── UnexpectedError                 a bug in the gateway (500), never a plain-text page
     ├── TooManyConnections              the worker's connection cap is reached (503)
     ├── CapacityExhausted               a bulkhead is full: refused before anything ran (503)
+    ├── TransferCodingNotImplemented    a request coding other than chunked (501)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     │   └── StoreReadOnly                 the database refuses writes (a standby)
     ├── LeaseNotConfirmed               the owner could not confirm its lease: nothing sent (503)
@@ -178,6 +179,16 @@ class CapacityExhausted(GatewayError):
     title = "Gateway capacity for this request is exhausted"
     retryable = True
     retry_after = 1
+
+
+class TransferCodingNotImplemented(GatewayError):
+    """A request ``Transfer-Encoding`` other than a lone ``chunked`` (RFC 9112 section 6.1:
+    a server that does not understand a coding answers 501). Decoding only the chunks
+    would hand the upstream gzip bytes, say, as a plain body."""
+
+    status = 501
+    slug = "transfer-coding-not-implemented"
+    title = "Transfer coding not implemented"
 
 
 class StoreUnavailable(GatewayError):

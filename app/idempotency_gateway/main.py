@@ -27,6 +27,7 @@ from idempotency_gateway.clock import utc_now
 from idempotency_gateway.config import (
     CacheConfig,
     GatewayConfig,
+    check_admin_token,
     environment_settings,
     load_config,
     validate_config,
@@ -141,6 +142,7 @@ class Gateway:
         self.drain = drain or DrainState()
         self.database_url = database_url_or_default(database_url)
         secret = resolve_scope_secret(scope_secret, self.database_url)
+        check_admin_token(admin_token)
         self.admin_port = admin_port
         self.store = RecordStore.from_url(self.database_url, config.store)
         self.cache, self.wakeups = replay_layer(config.cache, redis_url)

@@ -14,6 +14,9 @@ from idempotency_gateway.config import ErrorFormat
 from idempotency_gateway.errors import GatewayError, KeyReusedWithDifferentRequest
 
 PROBLEM_CONTENT_TYPE = b"application/problem+json"
+# RFC 9110 section 11.6.1: every 401 carries a challenge. Bearer is the scheme of the admin
+# token and of the API keys most upstreams behind the gateway take.
+CHALLENGE = b"Bearer"
 JSON_CONTENT_TYPE = b"application/json"
 # Stripe's names for the situations it shares with the gateway; other errors use our slug.
 STRIPE_CODES = {
@@ -70,6 +73,8 @@ def problem_headers(
     ]
     if error.retry_after is not None:
         headers.append((b"retry-after", str(error.retry_after).encode()))
+    if error.status == 401:
+        headers.append((b"www-authenticate", CHALLENGE))
     return headers
 
 

@@ -13,6 +13,9 @@ import re
 from idempotency_gateway.asgi import Scope, first_header
 
 REQUEST_ID_HEADER = b"x-request-id"
+# A generator of its own: ids never draw from (or disturb) the process-wide random state
+# that the application or its tests may have seeded.
+_IDS = random.Random()
 # A client-chosen id ends up in logs and upstream headers: accept only a tame shape.
 _ACCEPTABLE_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -29,7 +32,7 @@ def ensure_request_id(scope: Scope) -> bytes:
     if incoming is not None and _ACCEPTABLE_ID.match(incoming):
         return incoming
     # An id only has to be unique in practice, not unguessable: no syscall per request.
-    request_id = f"{random.getrandbits(128):032x}".encode()
+    request_id = f"{_IDS.getrandbits(128):032x}".encode()
     scope["headers"] = [
         (name, value) for name, value in scope["headers"] if name != REQUEST_ID_HEADER
     ]

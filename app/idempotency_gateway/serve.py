@@ -131,6 +131,7 @@ def serve(
     config = EdgeServerConfig(
         GATEWAY_FACTORY,
         limits=limits,
+        admin_port=admin_port,
         factory=True,
         host=host,
         port=port,

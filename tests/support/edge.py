@@ -103,6 +103,9 @@ async def edge_gateway(
         write_config(tmp_path, config.model_dump(mode="json")),
         env={"GATEWAY_DATABASE_URL": postgres_url},
         log_dir=tmp_path,
+        # A worker is a fresh interpreter importing the whole gateway: on a machine busy
+        # with other suites that alone has taken over 20 seconds.
+        startup_timeout=60.0,
     )
     async with gateway:
         yield gateway

@@ -27,6 +27,7 @@ DOCUMENTED_5XX = {
     "deadline-exhausted": 504,
     "upstream-timeout": 504,
     "outcome-unknown": 504,
+    "transfer-coding-not-implemented": 501,
 }
 
 

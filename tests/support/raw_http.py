@@ -59,6 +59,25 @@ def request_bytes(
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
+def chunked_request_bytes(
+    method: bytes,
+    target: bytes,
+    headers: Sequence[tuple[bytes, bytes]],
+    chunks: Sequence[bytes],
+    trailers: Sequence[tuple[bytes, bytes]] = (),
+    *,
+    codings: Sequence[bytes] = (b"chunked",),
+) -> bytes:
+    """An HTTP/1.1 request with a chunked body, a ``Transfer-Encoding`` field per coding
+    given, and trailer fields after the last chunk, exactly as given."""
+    lines = [method + b" " + target + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close"]
+    lines += [b"Transfer-Encoding: " + coding for coding in codings]
+    lines += [name + b": " + value for name, value in headers]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks if chunk)
+    trailer = b"".join(name + b": " + value + b"\r\n" for name, value in trailers)
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body + b"0\r\n" + trailer + b"\r\n"
+
+
 def _dechunk(data: bytes) -> bytes:
     body = b""
     while data:

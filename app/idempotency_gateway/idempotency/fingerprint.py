@@ -1,9 +1,10 @@
 """The request fingerprint (``request_hash``) that tells a retry from a different request.
 
-SHA-256 over method, canonical path bytes, the query ordered by name, content type, chosen
-extra headers and the body. A JSON body up to the route's ``max_canonical_body`` is
-canonicalized first, so key order and whitespace do not turn a faithful retry into a 422;
-the canonical form is lossless, so two different requests never share a fingerprint:
+SHA-256 over method, canonical path bytes, the query ordered by name (as sent, when it holds
+a ``;`` or a malformed %-escape), content type, chosen extra headers and the body. A JSON
+body up to the route's ``max_canonical_body`` is canonicalized first, so key order and
+whitespace do not turn a faithful retry into a 422; the canonical form is lossless, so two
+different requests never share a fingerprint:
 
 - numbers are compared by exact decimal value (``20`` and ``19.999999999999999`` differ,
   integers of any size keep every digit); ``1``, ``1.0`` and ``1e0`` are the same value;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -40,6 +42,12 @@ from idempotency_gateway.config import DEFAULT_MAX_CANONICAL_BODY
 # benchmark machine (an eighth of the 64 KiB body's in benchmarks/RESULTS.md), and most
 # bodies are far smaller, where the hop to a thread and back would cost more than the work.
 OFFLOAD_ABOVE = 8 * 1024
+
+# A query whose fields the upstream may split or decode otherwise than the gateway: some
+# frameworks also separate fields at ";" (so "x=1;a=2&a=3" holds two values of "a" that
+# reordering would swap), and a "%" without two hex digits is kept by some and refused or
+# dropped by others (so "%GG" and "%25GG" may be two requests).
+_AMBIGUOUS_QUERY = re.compile(rb";|%(?![0-9A-Fa-f]{2})")
 
 
 class _NotCanonical(Exception):
@@ -160,6 +168,23 @@ def _field(digest: hashlib._Hash, value: bytes) -> None:
     digest.update(value)
 
 
+def _query(digest: hashlib._Hash, query_string: bytes) -> None:
+    if _AMBIGUOUS_QUERY.search(query_string) is not None:
+        # Compared byte for byte: only what no upstream can tell apart hashes alike. Tagged
+        # with a word, never equal to the field count that leads a query compared by field.
+        _field(digest, b"as sent")
+        _field(digest, query_string)
+        return
+    query = _query_fields(query_string)
+    # "flag" and "flag=" stay apart (Rails and PHP read them as null and ""): the fields with
+    # no "=" are listed after the count, so a query without one hashes as it always did.
+    bare = b",".join(b"%d" % index for index, (_, value) in enumerate(query) if value is None)
+    _field(digest, str(len(query)).encode() + (b" bare " + bare if bare else b""))
+    for query_name, query_value in query:
+        _field(digest, query_name)
+        _field(digest, query_value or b"")
+
+
 def request_hash(
     *,
     method: str,
@@ -173,14 +198,7 @@ def request_hash(
     digest = hashlib.sha256()
     _field(digest, method.encode())
     _field(digest, path)
-    query = _query_fields(query_string)
-    # "flag" and "flag=" stay apart (Rails and PHP read them as null and ""): the fields with
-    # no "=" are listed after the count, so a query without one hashes as it always did.
-    bare = b",".join(b"%d" % index for index, (_, value) in enumerate(query) if value is None)
-    _field(digest, str(len(query)).encode() + (b" bare " + bare if bare else b""))
-    for query_name, query_value in query:
-        _field(digest, query_name)
-        _field(digest, query_value or b"")
+    _query(digest, query_string)
     content_types = header_values(headers, b"content-type")
     encodings = header_values(headers, b"content-encoding")
     # JSON is compared canonically only under one content type, sent in the clear: the same

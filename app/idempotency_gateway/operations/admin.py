@@ -33,7 +33,7 @@ from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.migrate import schema_state
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
 from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
-from idempotency_gateway.problems import problem_body
+from idempotency_gateway.problems import CHALLENGE, problem_body
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.telemetry.audit import log_admin_action
 from idempotency_gateway.telemetry.metrics import exposition
@@ -165,6 +165,15 @@ def _problem_response(error: GatewayError, headers: dict[str, str] | None = None
     )
 
 
+def _bearer(authorization: str) -> bytes:
+    """The token of ``Bearer <token>`` (the scheme in any case, RFC 9110 section 11.1),
+    empty for any other credential: no configured token is empty, so that never matches."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return b""
+    return token.lstrip(" ").encode()
+
+
 def _not_found(detail: str) -> AdminError:
     return AdminError(detail, status=404, slug="not-found", title="Not found")
 
@@ -205,9 +214,11 @@ def create_admin_app(context: AdminContext) -> FastAPI:
 
     @app.exception_handler(GatewayError)
     async def gateway_error(_request: Request, error: GatewayError) -> Response:
-        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        headers = {}
+        if error.status == 401:
+            headers["WWW-Authenticate"] = CHALLENGE.decode()
         if error.retry_after is not None:
-            headers = {"Retry-After": str(error.retry_after)}
+            headers["Retry-After"] = str(error.retry_after)
         return _problem_response(error, headers)
 
     @app.exception_handler(HTTPException)
@@ -233,9 +244,9 @@ def create_admin_app(context: AdminContext) -> FastAPI:
                 slug="admin-api-off",
                 title="Admin API disabled",
             )
-        expected = b"Bearer " + context.admin_token.get_secret_value().encode()
+        expected = context.admin_token.get_secret_value().encode()
         # Constant time: the comparison must not leak how much of a guess was right.
-        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
+        if authorization is None or not secrets.compare_digest(_bearer(authorization), expected):
             raise AdminError(
                 "send Authorization: Bearer <admin token>",
                 status=401,

@@ -11,6 +11,7 @@ decision.
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -186,6 +187,19 @@ class UpstreamConnection(asyncio.BufferedProtocol):
                 self.transport.close()
             else:
                 self.transport.abort()
+
+    def ended_unseen(self) -> bool:
+        """Whether the socket holds what the loop has not read yet: an end-of-stream (the
+        upstream closed the idle connection a moment ago) or bytes nobody asked for. Either
+        way a request written now would be lost unsent yet look maybe processed."""
+        if self.transport is None:
+            return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False  # nothing to look at: the loop reports the end as before
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def make_idle(self, now: float) -> None:
         """Between exchanges: what the last answer's consumer left unread is dropped, and

@@ -122,7 +122,7 @@ def upstream_request_headers(
     proto = firsts.get(b"x-forwarded-proto") if trusted else None
     forwarded.append((b"x-forwarded-proto", proto or scope.get("scheme", "http").encode()))
     host = (firsts.get(b"x-forwarded-host") if trusted else None) or firsts.get(b"host")
-    if host is not None:
+    if host:  # an empty Host (a target without an authority) names no host
         forwarded.append((b"x-forwarded-host", host))
     # Spring and ASP.NET prepend it to the request path: only a trusted proxy may say it.
     prefix = firsts.get(b"x-forwarded-prefix") if trusted else None

@@ -2,9 +2,12 @@
 
 The most recently used idle connection goes out first (warm, and the least likely to have
 been closed by the upstream's own idle timeout); idle ones older than ``keepalive`` are
-closed, by a timer for the oldest and again when one is taken. A connection the upstream
-closes while idle leaves the pool at once. Waiting for room under the cap and connecting
-share one deadline.
+closed, by a timer for the oldest and again when one is taken, so they are gone before the
+upstream's own idle timeout closes them under a request. A connection the upstream closes
+while idle leaves the pool at once, and one whose end is waiting in its socket unread when
+it is taken is not handed out: a request written to it would never arrive, yet could not be
+told from one the upstream received. Waiting for room under the cap and connecting share
+one deadline.
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ class ConnectionPool:
         idle = self._idle
         while idle:
             connection = idle.pop()
-            if not connection.closed and now - connection.idle_since < self._keepalive:
+            if (
+                not connection.closed
+                and now - connection.idle_since < self._keepalive
+                and not connection.ended_unseen()
+            ):
                 connection.idle = False
                 return connection
             self._discard(connection)

@@ -4,13 +4,23 @@
 - The head must arrive within ``request_head_timeout`` of the connection opening (or of the
   first byte of a later request on it), the body within ``request_body_timeout`` of the
   head's end: 408. Both answers close the connection.
-- Beyond ``max_connections`` per worker a new connection gets a 503 problem and is closed.
+- Beyond ``max_connections`` proxy connections per worker a new one gets a 503 problem and
+  is closed; the admin listener has its own budget (``max_admin_connections``), so a flood
+  of proxy connections never fails the liveness probe of a healthy worker.
+- Request trailer fields (after a chunked body) are never header fields: they are counted
+  against the head's limits and dropped, whether or not they arrive in the same read as the
+  head; what follows a chunk size line is bounded as a head is (``chunks.ChunkWatch``).
+- An absolute-form target's authority replaces ``Host`` (RFC 9112 section 3.2.2).
 - An ``Upgrade`` offer is ignored (RFC 9110 section 7.8 lets a server do so): llhttp stops
   at the head of such a request and hands everything after it back as "the new protocol",
   so the head is re-read without the offer and the body is framed as for any request. The
   connection closes after that answer, so nothing the client sends next is read as HTTP.
 - HTTP/1.0 clients never get chunked coding: an answer without Content-Length is
-  delimited by closing the connection (RFC 9112 section 6.1).
+  delimited by closing the connection (RFC 9112 section 6.1), or cut by a reset.
+- Refusing a request by its head while the client still sends its body, the server
+  lingers: the answer goes out, the write side is shut, and what the client sends is read
+  and dropped until it ends or ``LINGER_SECONDS`` pass. Closing with unread data would
+  reset the connection, and a reset can destroy the answer before the client reads it.
 
 Two savings on every request: the connection's loss is reported by callback
 (``disconnect.ConnectionLoss``, so no watcher task waits on ``receive``), and the response
@@ -22,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import httptools
@@ -40,14 +52,17 @@ from idempotency_gateway.errors import (
     TooManyConnections,
     TunnelRefused,
 )
+from idempotency_gateway.server.chunks import ChunkWatch
 from idempotency_gateway.server.disconnect import ConnectionLoss
 from idempotency_gateway.server.http10 import close_delimited
 from idempotency_gateway.server.joined_writes import HeadWithBody
-from idempotency_gateway.server.message import check_request_head
+from idempotency_gateway.server.message import absolute_form, check_request_head
 from idempotency_gateway.server.raw import closing_problem, head_without_upgrade
 
 # Per field: the ": " between name and value and the CRLF that ends the line.
 _FIELD_OVERHEAD = 4
+# How long a refused client may go on sending before its connection is closed anyway.
+LINGER_SECONDS = 2.0
 
 
 class _Pending(enum.Enum):
@@ -56,11 +71,25 @@ class _Pending(enum.Enum):
     BODY = enum.auto()
 
 
-class EdgeServerConfig(uvicorn.Config):
-    """uvicorn's config plus the gateway's limits (a module-level class, so ``--workers``
-    can hand it to worker processes)."""
+@dataclass
+class _AdminConnections:
+    open: int = 0
 
-    def __init__(self, app: Any, *, limits: LimitsConfig, **options: Any) -> None:
+
+# Per server (its protocols share one ``ServerState``): the connections open on the admin
+# listener. The proxy's are the rest of ``ServerState.connections``.
+_ADMIN_CONNECTIONS: weakref.WeakKeyDictionary[ServerState, _AdminConnections] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class EdgeServerConfig(uvicorn.Config):
+    """uvicorn's config plus the gateway's limits and the admin listener's port (a
+    module-level class, so ``--workers`` can hand it to worker processes)."""
+
+    def __init__(
+        self, app: Any, *, limits: LimitsConfig, admin_port: int | None = None, **options: Any
+    ) -> None:
         super().__init__(
             app,
             http=EdgeProtocol,
@@ -68,6 +97,7 @@ class EdgeServerConfig(uvicorn.Config):
             **options,
         )
         self.limits = limits
+        self.admin_port = admin_port
 
 
 class EdgeProtocol(HttpToolsProtocol):
@@ -79,7 +109,12 @@ class EdgeProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self.limits = config.limits if isinstance(config, EdgeServerConfig) else LimitsConfig()
+        self._lenient_codings()
+        edge = config if isinstance(config, EdgeServerConfig) else None
+        self.limits = edge.limits if edge is not None else LimitsConfig()
+        self._admin_port = edge.admin_port if edge is not None else None
+        self._admin_connections = _ADMIN_CONNECTIONS.setdefault(server_state, _AdminConnections())
+        self._on_admin_port = False
         self._deadline: asyncio.TimerHandle | None = None
         # Bytes of the complete fields of the head being parsed: exact, whatever the chunking.
         self._field_bytes = 0
@@ -92,6 +127,8 @@ class EdgeProtocol(HttpToolsProtocol):
         # unknown: that chunk's head bytes are counted from the callbacks instead.
         self._message_ended_in_chunk = False
         self._upgrade_offered = False
+        self._chunks = ChunkWatch(self.loop, self.limits, self._refuse)
+        self._linger: asyncio.TimerHandle | None = None
         # The part of a request that began in a parsed chunk and is still to come.
         self._pending = _Pending.NOTHING
         # After an answer of the server's own nothing more is read from the connection.
@@ -106,11 +143,23 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        if self._admin_port is not None:
+            sockname = transport.get_extra_info("sockname")
+            self._on_admin_port = sockname is not None and sockname[1] == self._admin_port
+        if self._on_admin_port:
+            self._admin_connections.open += 1
+            held, cap = self._admin_connections.open, self.limits.max_admin_connections
+        else:
+            held, cap = (
+                len(self.connections) - self._admin_connections.open,
+                self.limits.max_connections,
+            )
+        if held > cap:
+            listener = "admin" if self._on_admin_port else "proxy"
             self._refuse(
                 TooManyConnections(
-                    f"this gateway process already holds {self.limits.max_connections} "
-                    "connections; try again shortly"
+                    f"this gateway process already holds {cap} {listener} connections; "
+                    "try again shortly"
                 )
             )
             return
@@ -118,17 +167,23 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._chunks.cancel()
+        if self._linger is not None:
+            self._linger.cancel()
+        if self._on_admin_port:
+            self._admin_connections.open -= 1
         super().connection_lost(exc)
         self._loss.connection_lost()
 
     def data_received(self, data: bytes) -> None:
         if self._done_reading:
-            return
+            return  # a refused client's bytes, read only so that closing sends no reset
         self._unset_keepalive_if_required()
         self._chunk_size = len(data)
         self._message_ended_in_chunk = False
         if self._raw_head_bytes is not None:
             self._raw_head_bytes += len(data)
+        mark = self._chunks.mark()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -142,6 +197,9 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         if self._raw_head_bytes is not None and self._raw_head_bytes > self.limits.max_request_head:
             self._refuse(self._head_too_large())
+            return
+        self._chunks.after_read(mark, len(data))
+        if self._done_reading:
             return
         self._start_pending_deadline()
 
@@ -166,6 +224,10 @@ class EdgeProtocol(HttpToolsProtocol):
                 f"the request has more than {self.limits.max_header_fields} header fields"
             )
         self._count_head_bytes(len(name) + len(value) + _FIELD_OVERHEAD)
+        if self._pending is _Pending.BODY:
+            # A trailer field (RFC 9110 section 6.5): never one of the request's header
+            # fields, which every layer has read (or will read) as the request's own.
+            return
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -174,6 +236,13 @@ class EdgeProtocol(HttpToolsProtocol):
         check_request_head(self.parser.get_http_version(), self.headers)
         if self.parser.should_upgrade() and self.parser.get_method() == b"CONNECT":
             raise TunnelRefused("the gateway forwards requests; it does not open tunnels")
+        absolute = absolute_form(self.parser.get_method(), self.url)
+        if absolute is not None:
+            authority, self.url = absolute
+            # RFC 9112 section 3.2.2: the target's authority is the request's, not Host's.
+            self.headers[:] = [
+                (name, authority if name == b"host" else value) for name, value in self.headers
+            ]
         self._raw_head_bytes = None
         if self.parser.should_upgrade():
             # The parser skips the body of an upgrade request: the app starts once the head
@@ -186,10 +255,20 @@ class EdgeProtocol(HttpToolsProtocol):
             # A HEAD answer has no body write to carry its head: that one goes out alone.
             self.cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
+    def on_body(self, body: bytes) -> None:
+        if self._chunks.awaiting:
+            self._chunks.arrived()
+        super().on_body(body)
+
+    def on_chunk_header(self) -> None:
+        self._chunks.size_line()
+
     def on_message_complete(self) -> None:
         self._message_ended_in_chunk = True
         if self._upgrade_offered:
             return
+        if self._chunks.awaiting:
+            self._chunks.arrived()
         self._pending = _Pending.NOTHING
         self._cancel_deadline()
         super().on_message_complete()
@@ -219,8 +298,16 @@ class EdgeProtocol(HttpToolsProtocol):
         )
         self._upgrade_offered = False
         self.parser = httptools.HttpRequestParser(self)
-        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self._lenient_codings()
         self.data_received(head + rest)
+
+    def _lenient_codings(self) -> None:
+        """Let every ``Transfer-Encoding`` reach ``check_request_head``, which answers a
+        coding other than chunked with a 501 (llhttp would refuse ``chunked, gzip`` as a bare
+        parse error), and keep uvicorn's answer to a request pipelined after a close."""
+        self.parser.set_dangerous_leniencies(
+            lenient_data_after_close=True, lenient_transfer_encoding=True
+        )
 
     def _start_pending_deadline(self) -> None:
         """Start the deadline of the part still to come once a chunk is parsed: a head or a
@@ -274,6 +361,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self.logger.info("closing a connection: %s", error.detail)
         self._done_reading = True
         self._cancel_deadline()
+        self._chunks.cancel()
         if self.transport.is_closing():
             return
         if self._answer_would_be_understood():
@@ -284,4 +372,19 @@ class EdgeProtocol(HttpToolsProtocol):
             # disconnect (nothing executes), and nothing it sends is written any more.
             cycle.disconnected = True
             cycle.message_event.set()
-        self.transport.close()
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Shut the write side once the answer is out, and read (and drop) what the client
+        still sends until it ends (``eof_received`` then closes) or the linger runs out."""
+        cycle = self.cycle
+        answering = cycle is not None and cycle.response_started and not cycle.response_complete
+        if answering or not self.transport.can_write_eof():
+            # An answer under way may still flush its held head (joined_writes): no write may
+            # follow a shut write side, so this connection closes as before.
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        # uvicorn pauses reading while an app lags behind the body: the rest must drain.
+        self.transport.resume_reading()
+        self._linger = self.loop.call_later(LINGER_SECONDS, self.transport.close)
