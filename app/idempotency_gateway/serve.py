@@ -40,6 +40,10 @@ log = logging.getLogger("idempotency_gateway.serve")
 GATEWAY_FACTORY = "idempotency_gateway.main:gateway_from_environment"
 # Long enough for in-flight executions to finish and finalize after SIGTERM.
 GRACEFUL_SHUTDOWN_SECONDS = 30
+# How long the supervisor waits for a worker to answer its health check before it kills and
+# replaces it. uvicorn's 5 s kills workers that are merely starved of CPU (a busy host, a
+# worker still importing at start), and each replacement starts the slow import again.
+WORKER_HEALTHCHECK_SECONDS = 30
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -149,6 +153,7 @@ def serve(
         server_header=False,
         proxy_headers=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
     )
     sockets = [_bind(host, port), _bind(host, admin_port)]
     forget_dead_workers()
