@@ -39,6 +39,7 @@ from typing import Any, Self
 
 import asyncpg
 import redis.asyncio
+from sqlalchemy.engine import make_url
 
 from tests.support import GatewayProcess, eventually, free_port, write_config
 from tests.support.lifecycle import StartedInContext
@@ -404,6 +405,9 @@ class Cluster:
 
     ``gateways`` are the ones a load balancer would send to; a killed gateway leaves that
     list (its log stays readable through ``all_gateways``) and ``replace`` starts another.
+    With ``database_links`` each gateway reaches PostgreSQL through a ``TcpProxy`` of its own
+    (``database_link(gateway)``), so a fault can partition one gateway from the database
+    (bytes stop, nothing closes) while the others go on.
     """
 
     def __init__(
@@ -417,8 +421,12 @@ class Cluster:
         log_format: str = "json",
         env: dict[str, str] | None = None,
         statement_timeout: str = "1s",
+        database_links: bool = False,
     ) -> None:
         self.workdir = workdir
+        self.database_url = database_url
+        self.database_links = database_links
+        self._links: dict[str, TcpProxy] = {}
         self.size = size
         self.config_path = write_config(
             workdir,
@@ -436,14 +444,20 @@ class Cluster:
         self.all_gateways: list[GatewayProcess] = []
         self._started = 0
 
-    def _new_gateway(self) -> GatewayProcess:
+    async def _new_gateway(self) -> GatewayProcess:
         self._started += 1
+        name = f"gateway-{self._started}"
+        env = self.env
+        if self.database_links:
+            link = self._links[name] = TcpProxy(LOOPBACK, make_url(self.database_url).port or 5432)
+            await link.start()
+            env = {**env, "GATEWAY_DATABASE_URL": link.rewrite_url(self.database_url)}
         gateway = GatewayProcess(
             self.config_path,
-            env=self.env,
+            env=env,
             extra_args=["--log-format", self.log_format, "--log-level", "warning"],
             log_dir=self.workdir,
-            name=f"gateway-{self._started}",
+            name=name,
             # A deadline, not a wait: a loaded machine takes seconds to import the gateway
             # twice (supervisor, then worker), and several start at once.
             startup_timeout=60.0,
@@ -452,7 +466,7 @@ class Cluster:
         return gateway
 
     async def start(self) -> None:
-        fresh = [self._new_gateway() for _ in range(self.size)]
+        fresh = [await self._new_gateway() for _ in range(self.size)]
         await asyncio.gather(*(gateway.start() for gateway in fresh))
         self.gateways.extend(fresh)
 
@@ -464,10 +478,13 @@ class Cluster:
 
     async def replace(self) -> GatewayProcess:
         """Start one more gateway and put it behind the load balancer."""
-        gateway = self._new_gateway()
+        gateway = await self._new_gateway()
         await gateway.start()
         self.gateways.append(gateway)
         return gateway
+
+    def database_link(self, gateway: GatewayProcess) -> TcpProxy:
+        return self._links[gateway.name]
 
     def logs(self) -> str:
         return "\n".join(gateway.log_text() for gateway in self.all_gateways)
@@ -476,6 +493,10 @@ class Cluster:
         for gateway in self.all_gateways:
             if gateway.paused:
                 gateway.resume()
+        for link in self._links.values():
+            link.resume()
         await asyncio.gather(
             *(gateway.stop(timeout=10.0) for gateway in self.all_gateways), return_exceptions=True
         )
+        for link in self._links.values():
+            await link.close()

@@ -28,6 +28,8 @@ from tests.support import GatewayProcess, eventually
 
 GATEWAY_KILL = "gateway kill -9 mid-request"
 GATEWAY_STALL = "gateway SIGSTOP past the lease"
+GATEWAY_STALL_BETWEEN_ATTEMPTS = "gateway SIGSTOP between attempts"
+DATABASE_LINK_PAUSE = "a gateway's database link paused past the lease"
 POSTGRES_RESTART = "postgresql stopped and restarted"
 REDIS_RESTART = "redis kill -9 and restart"
 UPSTREAM_HANG = "upstream hangs"
@@ -39,6 +41,8 @@ POSTGRES_FAILOVER = "postgresql primary kill -9, standby promoted"
 KINDS = (
     GATEWAY_KILL,
     GATEWAY_STALL,
+    GATEWAY_STALL_BETWEEN_ATTEMPTS,
+    DATABASE_LINK_PAUSE,
     POSTGRES_RESTART,
     REDIS_RESTART,
     UPSTREAM_HANG,
@@ -66,6 +70,8 @@ class FaultInjector:
         return {
             GATEWAY_KILL: self.kill_gateway_mid_request,
             GATEWAY_STALL: self.stall_gateway_past_lease,
+            GATEWAY_STALL_BETWEEN_ATTEMPTS: self.stall_gateway_between_attempts,
+            DATABASE_LINK_PAUSE: self.pause_database_link_past_lease,
             POSTGRES_RESTART: self.restart_postgres,
             REDIS_RESTART: self.restart_redis,
             UPSTREAM_HANG: lambda: self.upstream_misbehaves(UPSTREAM_HANG, "hang"),
@@ -101,17 +107,57 @@ class FaultInjector:
         await self.cluster.replace()
 
     async def stall_gateway_past_lease(self) -> None:
-        """SIGSTOP a busy gateway for twice the lease, then SIGCONT (before its upstream
-        timeout): it wakes up holding answers it no longer owns.
-
-        Meanwhile a second instance of each stalled client (a "twin", as when a job runner
-        retries the same business operation elsewhere) sends the same operations through
-        the other gateways, so the stalled owners' records are really taken over.
-        """
+        """SIGSTOP a gateway while the upstream works on one of its requests, for twice the
+        lease, then SIGCONT (before its upstream timeout): it wakes up holding answers it no
+        longer owns."""
         victim = await self._busy_gateway()
+        await self._cut_off_past_lease(GATEWAY_STALL, victim, victim.pause, victim.resume)
+
+    async def stall_gateway_between_attempts(self) -> None:
+        """The upstream answers 503 (not processed, so the gateways retry after a pause); a
+        gateway with requests in that pause is SIGSTOPped past the lease. Its owners wake up
+        between two attempts, after other gateways took their records over: the next attempt
+        must not go out."""
+        self.upstream.fault = "status=503"
+        try:
+            victim = await eventually(self._gateway_with_requests, timeout=10.0, interval=0.005)
+            victim.pause()
+        finally:
+            self.upstream.fault = None
+        await self._cut_off_past_lease(
+            GATEWAY_STALL_BETWEEN_ATTEMPTS, victim, lambda: None, victim.resume
+        )
+
+    async def pause_database_link_past_lease(self) -> None:
+        """A busy gateway's link to PostgreSQL stops passing bytes (nothing closes) for twice
+        the lease: its owners can neither renew nor finalize, and must send nothing more once
+        their lease is no longer confirmed."""
+        victim = await self._busy_gateway()
+        link = self.cluster.database_link(victim)
+        await self._cut_off_past_lease(DATABASE_LINK_PAUSE, victim, link.pause, link.resume)
+
+    def _gateway_with_requests(self) -> GatewayProcess | None:
+        candidates = [
+            gateway for gateway in self.cluster.gateways if self.load.inflight_at(gateway)
+        ]
+        return self.rng.choice(candidates) if candidates else None
+
+    async def _cut_off_past_lease(
+        self,
+        kind: str,
+        victim: GatewayProcess,
+        cut_off: Callable[[], None],
+        reconnect: Callable[[], None],
+    ) -> None:
+        """Cut ``victim`` off for twice the lease, then reconnect it.
+
+        Meanwhile a second instance of each of its clients (a "twin", as when a job runner
+        retries the same business operation elsewhere) sends the same operations through
+        the other gateways, so the cut-off owners' records are really taken over.
+        """
         stalled = self.load.inflight_at(victim)
-        victim.pause()
-        self.injected[GATEWAY_STALL] += 1
+        cut_off()
+        self.injected[kind] += 1
         twin = FaultClient(f"twin-of-{victim.name}", stalled)
         others = [gateway for gateway in self.cluster.gateways if gateway is not victim]
         task = asyncio.create_task(
@@ -128,7 +174,7 @@ class FaultInjector:
         try:
             await asyncio.sleep(LEASE * 2)  # the outage itself
         finally:
-            victim.resume()
+            reconnect()
 
     async def restart_postgres(self, down_for: float = 1.5) -> None:
         await self.postgres.stop()

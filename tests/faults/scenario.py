@@ -68,6 +68,8 @@ async def fault_environment(
             redis_url=redis_server.url,
             size=gateways,
             statement_timeout=statement_timeout,
+            # A multi-host URL (primary and standby) has no one address to put a link in front of.
+            database_links=synchronous_standby is None,
         )
         try:
             await cluster.start()

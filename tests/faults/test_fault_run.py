@@ -24,8 +24,10 @@ import pytest_asyncio
 
 from tests.faults.checker import Report
 from tests.faults.faults import (
+    DATABASE_LINK_PAUSE,
     GATEWAY_KILL,
     GATEWAY_STALL,
+    GATEWAY_STALL_BETWEEN_ATTEMPTS,
     KINDS,
     POSTGRES_RESTART,
     REDIS_RESTART,
@@ -51,6 +53,8 @@ def _seen(*prefixes: str) -> Callable[[Report], bool]:
 TRACE_OF: dict[str, Callable[[Report], bool]] = {
     GATEWAY_KILL: _seen("connection: "),
     GATEWAY_STALL: lambda report: any("fenced" in kind for kind in report.errors),
+    GATEWAY_STALL_BETWEEN_ATTEMPTS: _seen("upstream 503"),
+    DATABASE_LINK_PAUSE: lambda report: any("lease" in kind for kind in report.errors),
     POSTGRES_RESTART: _seen("gateway 503 store-unavailable", "log error: finalize failed"),
     REDIS_RESTART: _seen("log warning: Redis"),
     UPSTREAM_HANG: _seen("gateway 504 upstream-timeout"),
@@ -71,6 +75,8 @@ async def environment(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
     ids=[
         "gateway-kill",
         "gateway-stall",
+        "gateway-stall-between-attempts",
+        "database-link-pause",
         "postgres-restart",
         "redis-restart",
         "upstream-hang",
