@@ -6,6 +6,7 @@
 #   docker build -t idempotency-gateway .
 #   docker run --rm -p 8080:8080 -p 8081:8081 \
 #       -e GATEWAY_DATABASE_URL=postgresql://user:password@db:5432/gateway \
+#       -e GATEWAY_SCOPE_SECRET="$(openssl rand -hex 32)" \
 #       -e GATEWAY_MIGRATE_ON_START=1 \
 #       -v "$PWD/gateway.yaml:/etc/idempotency-gateway/gateway.yaml:ro" idempotency-gateway
 #

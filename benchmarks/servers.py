@@ -42,6 +42,7 @@ class ServerSpec:
     workers: int = 1
     redis: bool = False  # gateway: GATEWAY_REDIS_URL set
     cache_max_entries: int | None = None  # gateway: `cache.max_entries` (None: default)
+    max_canonical_body: int | None = None  # gateway: the route's (None: default)
     library: str = ""  # library: BENCH_LIBRARY mode
     # asgi-app: a bare ASGI app (module:attribute; BENCH_UPSTREAM_URL set) and its server
     app: str = "benchmarks.minimal_proxy:app"
@@ -69,6 +70,7 @@ class RunningServer:
     spec: ServerSpec
     process: ManagedProcess
     port: int
+    admin_port: int | None = None  # a gateway's
 
     def stop(self) -> None:
         self.process.stop()
@@ -179,9 +181,11 @@ def start_upstream(ctx: RunContext, *, use_nginx: bool) -> ManagedProcess:
 
 
 def _gateway_config(ctx: RunContext, spec: ServerSpec) -> Path:
-    cache = ""
+    cache = canonical = ""
     if spec.cache_max_entries is not None:
         cache = f"cache: {{max_entries: {spec.cache_max_entries}}}\n"
+    if spec.max_canonical_body is not None:
+        canonical = f", max_canonical_body: {spec.max_canonical_body}"
     text = f"""# written by benchmarks/servers.py for {spec.id}
 upstreams:
   bench:
@@ -191,7 +195,7 @@ routes:
   - name: bench
     match: {{path_prefix: /}}
     upstream: bench
-    idempotency: {{key: optional, methods: [POST, PATCH], max_stored_body: 1MiB}}
+    idempotency: {{key: optional, methods: [POST, PATCH], max_stored_body: 1MiB{canonical}}}
 limits: {{max_request_body: 10MiB}}
 {cache}"""
     path = ctx.work_dir / f"{spec.id}.yaml"
@@ -253,6 +257,7 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
         )
         wait_until_answers(process, admin_port, "/readyz")
         wait_until_answers(process, port, "/small")
+        return RunningServer(spec, process, port, admin_port)
     elif spec.kind == "library":
         variables = {"BENCH_LIBRARY": spec.library, "BENCH_DATABASE_URL": ctx.database_url}
         if ctx.redis_url is not None:

@@ -12,6 +12,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from idempotency_gateway.idempotency.schema import metadata
 from idempotency_gateway.idempotency.store import normalize_database_url
 
+# An arbitrary constant naming the gateway's migration lock among the database's advisory locks.
+_MIGRATION_LOCK = 7_041_873_512
+
 
 def _database_url() -> str:
     url = context.config.get_main_option("sqlalchemy.url") or os.environ.get("GATEWAY_DATABASE_URL")
@@ -28,6 +31,10 @@ def _run(connection: Connection) -> None:
         render_as_batch=connection.dialect.name == "sqlite",
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Processes migrating at once (workers of one server, replicas of one release)
+            # take turns: each reads the revision only after the one before it committed.
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
         context.run_migrations()
 
 

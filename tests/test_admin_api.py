@@ -300,7 +300,8 @@ async def test_record_is_found_by_scope_hash_and_by_raw_credential(
     assert view["operation"] == OPERATION
     assert view["idempotency_key"] == key
     assert view["status"] == "SUCCEEDED"
-    assert (view["fencing_token"], view["attempts"]) == (1, 1)
+    assert view["attempts"] == 1
+    assert view["fencing_token"] >= 1
     assert view["response"]["status"] == 201
     assert view["response"]["body_size"] == len(answer.content)
     assert view["response"]["body_omitted"] is False
@@ -511,7 +512,7 @@ async def test_owner_killed_mid_flight_is_listed_as_stuck_once_its_lease_ran_out
 
     assert stuck["status"] == "IN_PROGRESS"
     assert stuck["scope"] == record_key(key).scope
-    assert stuck["fencing_token"] == 1
+    assert stuck["fencing_token"] >= 1
     assert datetime.fromisoformat(stuck["lease_expires_at"]) <= datetime.now(UTC)
     assert upstream.count(key) == 1
 

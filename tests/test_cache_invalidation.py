@@ -4,25 +4,32 @@ A real ``serve --workers 2`` gateway without Redis, on PostgreSQL and on the emb
 both workers' caches are warmed with the key's answer, the admin API deletes the record, and
 once ``INVALIDATION_BOUND`` has passed no worker replays the old answer any more; the key has
 executed afresh exactly once and that new answer is what everyone replays.
+
+And a delete whose row commits after a newer one (ids are taken when an insert starts) is
+still applied by a process whose poll already read past it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import asyncpg
 import httpx
 import pytest
 
-from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.idempotency.cache import CachedAnswer, InProcessCache
+from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
+from idempotency_gateway.idempotency.store import asyncpg_dsn_of, create_engine_for
+from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL, CacheInvalidations
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.charges import CHARGE, CHARGES
 from tests.support.keyed import AUTHORIZATION, is_replay, keyed_gateway_config, record_key
 from tests.support.upstream import KEY_HEADER
-
-pytestmark = pytest.mark.multiprocess
 
 TOKEN = "invalidation-admin-token"
 # The README's promise: one poll interval plus a query. The slack absorbs a loaded machine.
@@ -77,6 +84,7 @@ def executions(answers: list[httpx.Response]) -> set[int]:
     return {int(a.json()["execution"]) for a in answers if a.status_code == 201}
 
 
+@pytest.mark.multiprocess
 async def test_an_admin_delete_stops_every_worker_replaying_the_old_answer(
     two_workers: GatewayProcess, upstream: RecordingUpstream, unique: Callable[[str], str]
 ) -> None:
@@ -114,3 +122,48 @@ async def test_an_admin_delete_stops_every_worker_replaying_the_old_answer(
     assert executions(after) == {old + 1}, "a worker replayed the deleted answer"
     assert all(answer.status_code == 201 and is_replay(answer) for answer in after)
     assert upstream.count(key) == 2
+
+
+def cached(key: RecordKey) -> CachedAnswer:
+    response = StoredResponse(200, [], key.idempotency_key.encode())
+    return CachedAnswer(key, "hash", Status.SUCCEEDED, response, time.monotonic() + 3600)
+
+
+async def test_a_delete_committed_after_a_newer_one_is_still_applied(
+    postgres_url: str, unique: Callable[[str], str]
+) -> None:
+    engine = create_engine_for(postgres_url, StoreConfig())
+    cache = InProcessCache(max_entries=10, max_bytes=1 << 20)
+    reader = CacheInvalidations(engine, cache)
+    # Another process's publisher: its own cache, so only the table tells ``reader``.
+    publisher = CacheInvalidations(engine, InProcessCache(max_entries=10, max_bytes=1 << 20))
+    late, early = (
+        RecordKey("scope", f"POST {CHARGES}", unique(name)) for name in ("late", "early")
+    )
+    slow = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
+    try:
+        await reader.poll_once()  # a starting process reads where the table ends
+        for key in (late, early):
+            await cache.put(cached(key))
+        # The late delete takes its id first and commits last.
+        commit_late = slow.transaction()
+        await commit_late.start()
+        await slow.execute(
+            "INSERT INTO cache_invalidations (scope, operation, idempotency_key, created_at)"
+            " VALUES ($1, $2, $3, now())",
+            late.scope,
+            late.operation,
+            late.idempotency_key,
+        )
+        await publisher.publish(early)
+        await reader.poll_once()
+        assert await cache.get(early) is None
+        assert await cache.get(late) is not None  # its row is not visible yet
+
+        await commit_late.commit()
+        await reader.poll_once()
+
+        assert await cache.get(late) is None, "the late-committed delete was stepped over"
+    finally:
+        await slow.close()
+        await engine.dispose()

@@ -136,6 +136,30 @@ def test_serve_needs_exactly_one_of_config_and_upstream(
 
 
 @pytest.mark.usefixtures("clean_environment")
+@pytest.mark.parametrize("command", [("serve", "--upstream", "http://127.0.0.1:9"), ("migrate",)])
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("GATEWAY_DATABASE_URL", "mysql://gateway@db.internal/gateway"),
+        ("GATEWAY_DATABASE_URL", "127.0.0.1:5432"),
+        ("GATEWAY_REDIS_URL", "http://127.0.0.1:6379"),
+        ("GATEWAY_ADMIN_PORT", "abc"),
+        ("GATEWAY_ADMIN_PORT", "70000"),
+    ],
+)
+async def test_a_bad_environment_value_exits_2_naming_the_variable(
+    command: tuple[str, ...], variable: str, value: str, tmp_path: Path
+) -> None:
+    code, output = await run_cli(*command, env={variable: value}, cwd=tmp_path)
+
+    assert code == 2
+    assert f"{variable}: " in output
+    assert "Traceback" not in output
+    # Refused before anything started: no embedded database was created, nothing served.
+    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+
+
+@pytest.mark.usefixtures("clean_environment")
 async def test_serve_with_a_bad_config_file_exits_2_naming_the_field(tmp_path: Path) -> None:
     bad = write_config(
         tmp_path,

@@ -335,6 +335,55 @@ def test_route_naming_an_undefined_upstream_names_both() -> None:
     assert "payments" in errors[0]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        pytest.param(
+            "routes.0.idempotency.fingerprint_headers", ["X Tenant"], "not a header", id="space"
+        ),
+        pytest.param(
+            "scope.headers", ["authorization", "stripe-account:"], "not a header", id="colon"
+        ),
+        pytest.param("idempotency_header", "Idempotency Key", "not a header", id="key-header"),
+        pytest.param("scope.headers", [], "at least 1", id="empty-scope"),
+        pytest.param("routes.0.idempotency.methods", ["GET", "FOO"], "FOO, GET", id="methods"),
+        pytest.param("routes.0.idempotency.methods", ["post", "HEAD"], "HEAD", id="safe-method"),
+    ],
+)
+def test_a_setting_that_cannot_work_is_an_error(field: str, value: object, says: str) -> None:
+    errors = errors_of(set_at(valid_config(), field, value))
+
+    assert len(errors) == 1
+    assert errors[0].startswith(f"{field}")
+    assert says in errors[0]
+
+
+def test_a_key_written_twice_is_an_error_naming_its_line(write: Callable[[str], Path]) -> None:
+    text = yaml.safe_dump(valid_config(), sort_keys=False)
+    doubled = text.replace("upstreams:\n", "upstreams:\n  payments:\n    url: http://x:1\n", 1)
+    path = write(doubled)
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+
+    assert "'payments' appears twice" in raised.value.errors[0]
+    assert "line 4" in raised.value.errors[0]  # where the second one is
+
+
+def test_field_errors_and_route_references_are_reported_in_one_round() -> None:
+    data = valid_config()
+    set_at(data, "routes.0.idempotency.key", "sometimes")
+    set_at(data, "routes.1.upstream", "billing")
+    set_at(data, "routes.1.name", "charges")
+
+    errors = errors_of(data)
+
+    assert len(errors) == 3
+    assert errors[0].startswith("routes.0.idempotency.key: ")
+    assert any("'billing'" in error for error in errors)
+    assert any("used twice" in error for error in errors)
+
+
 def test_duplicate_route_names_are_an_error() -> None:
     errors = errors_of(set_at(valid_config(), "routes.1.name", "charges"))
 

@@ -418,7 +418,9 @@ def test_the_deploy_files_are_all_there() -> None:
         "deploy/k8s/service.yaml",
         "deploy/k8s/config/gateway.yaml",
         "deploy/k8s/secret.example.yaml",
-        "deploy/k8s/migration-job.yaml",
+        "deploy/k8s/migrate/job.yaml",
+        "deploy/k8s/migrate/kustomization.yaml",
+        "deploy/k8s/image/kustomization.yaml",
         "deploy/k8s/hpa.yaml",
         "deploy/k8s/pdb.yaml",
     } <= names
@@ -640,6 +642,38 @@ def test_grafana_provisions_the_datasource_and_dashboard_the_json_uses(
     assert all(reference["uid"] == datasource["uid"] for reference in references)
 
 
+def test_dashboard_queries_name_no_scrape_job_of_their_own() -> None:
+    # Scrape configs name jobs as they like (Compose, the Prometheus Operator, annotations):
+    # a panel bound to one job name shows nothing under the others.
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            assert re.search(r'job="', target["expr"]) is None, panel["title"]
+
+
+def test_the_docker_run_example_sets_every_variable_postgresql_requires() -> None:
+    example = DOCKERFILE.read_text().partition("docker run")[2].partition("\n#\n")[0]
+    assert "GATEWAY_DATABASE_URL=postgresql://" in example
+    assert "GATEWAY_SCOPE_SECRET=" in example  # without it a gateway on PostgreSQL exits 2
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        PROJECT_ROOT / "README.md",
+        *sorted((PROJECT_ROOT / "docs").glob("*.md")),
+        *sorted(path for path in DEPLOY.rglob("*") if path.is_file()),
+        COMPOSE_FILE,
+        DOCKERFILE,
+    ],
+    ids=lambda path: str(path.relative_to(PROJECT_ROOT)),
+)
+def test_source_paths_named_in_docs_and_deploy_files_exist(path: Path) -> None:
+    named = re.findall(r"\bapp/[\w./]*\w", path.read_text(errors="replace"))
+    missing = [name for name in named if not (PROJECT_ROOT / name).exists()]
+    assert missing == []
+
+
 def test_dashboard_panels_have_unique_ids_and_queries() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     ids = [panel["id"] for panel in dashboard["panels"]]
@@ -725,6 +759,8 @@ def test_alert_rules_are_complete_and_uniquely_named() -> None:
         'requests_total{outcome="replayed"}',
         "retry_budget_exhausted_total",
         "upstream_attempts_total",
+        "bulkhead_in_flight",
+        "bulkhead_refusals_total",
     ):
         assert idempotency_gateway.telemetry.metrics.PREFIX + metric in covered, metric
 
@@ -732,13 +768,21 @@ def test_alert_rules_are_complete_and_uniquely_named() -> None:
 # ---------------------------------------------------------------------------- Kubernetes
 
 
+def rendered_kustomization(directory: Path) -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all(run_tool("kubectl", "kustomize", str(directory)).stdout))
+
+
 @pytest.fixture(scope="module")
 def k8s() -> dict[tuple[str, str], dict[str, Any]]:
-    """What ``kubectl apply -k deploy/k8s`` applies, rendered by the real kustomize, plus the
-    example Secret that the operator creates beforehand."""
-    rendered = run_tool("kubectl", "kustomize", str(K8S)).stdout
+    """What the README's steps apply (``kubectl apply -k deploy/k8s/migrate``, then
+    ``kubectl apply -k deploy/k8s``), rendered by the real kustomize, plus the example Secret
+    that the operator creates beforehand."""
+    documents = [
+        *rendered_kustomization(K8S / "migrate"),
+        *rendered_kustomization(K8S),
+        *load_documents(K8S / "secret.example.yaml"),
+    ]
     objects: dict[tuple[str, str], dict[str, Any]] = {}
-    documents = [*yaml.safe_load_all(rendered), *load_documents(K8S / "secret.example.yaml")]
     for document in documents:
         assert {"apiVersion", "kind", "metadata"} <= set(document)
         key = (document["kind"], document["metadata"]["name"])
@@ -877,7 +921,7 @@ def test_k8s_pods_run_as_the_image_user_without_privileges(
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == uid
         container = the_container(workload)
-        (image,) = load_yaml(K8S / "kustomization.yaml")["images"]
+        (image,) = load_yaml(K8S / "image" / "kustomization.yaml")["images"]
         assert container["image"] == f"{image['newName']}:{image['newTag']}"
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
@@ -950,14 +994,26 @@ def test_k8s_kustomization_lists_existing_files_but_never_the_example_secret() -
     assert "secret.example.yaml" not in resources
     for resource in resources:
         assert (K8S / resource).is_file(), resource
-    assert {
-        "deployment.yaml",
-        "service.yaml",
-        "migration-job.yaml",
-        "sweep-cronjob.yaml",
-    } <= set(resources)
-    (image,) = kustomization["images"]
+    assert {"deployment.yaml", "service.yaml", "sweep-cronjob.yaml"} <= set(resources)
+    (image,) = load_yaml(K8S / "image" / "kustomization.yaml")["images"]
     assert image["name"] == GATEWAY_IMAGE
+
+
+def test_k8s_migration_job_is_applied_on_its_own_with_the_gateways_image() -> None:
+    # A Job's pod template is immutable: applied again with every release of the gateways, a
+    # changed Job would be refused while the finished one exists.
+    gateways = rendered_kustomization(K8S)
+    (job,) = rendered_kustomization(K8S / "migrate")
+    assert job["kind"] == "Job"
+    assert "Job" not in {document["kind"] for document in gateways}
+    images = {
+        container["image"]
+        for document in [*gateways, job]
+        if document["kind"] in {"Deployment", "CronJob", "Job"}
+        for container in pod_spec(document)["containers"]
+    }
+    assert len(images) == 1
+    assert not images.pop().startswith(f"{GATEWAY_IMAGE}:")  # the registry's name, set once
 
 
 def test_k8s_sweep_cronjob_is_applied_suspended_while_the_gateways_sweep(
@@ -1022,9 +1078,11 @@ def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
 
 
 def test_rendered_k8s_manifests_pass_kubernetes_validate_strictly(tmp_path: Path) -> None:
-    rendered = tmp_path / "rendered.yaml"
-    rendered.write_text(run_tool("kubectl", "kustomize", str(K8S)).stdout)
-    for manifest in (rendered, K8S / "secret.example.yaml"):
+    manifests = [K8S / "secret.example.yaml"]
+    for name, directory in (("gateways", K8S), ("migrate", K8S / "migrate")):
+        manifests.append(tmp_path / f"{name}.yaml")
+        manifests[-1].write_text(run_tool("kubectl", "kustomize", str(directory)).stdout)
+    for manifest in manifests:
         result = run_tool("kubernetes-validate", "--strict", str(manifest))
         assert "passed" in result.stdout + result.stderr
 

@@ -66,7 +66,7 @@ async def test_connection_options_never_strip_the_fields_the_gateway_writes(
     fields = [
         ("Connection", named),
         ("Idempotency-Key", key),
-        ("Idempotency-Fencing-Token", "999999"),
+        ("Idempotency-Fencing-Token", "0"),
         ("X-Request-Id", "client-chosen-id"),
         ("X-Client-Hop", "for-the-next-hop-only"),
     ]
@@ -77,7 +77,9 @@ async def test_connection_options_never_strip_the_fields_the_gateway_writes(
     [execution] = upstream.executions_for(key)
     assert execution.header_values("Idempotency-Key") == [key]
     # The gateway's token of record, never the client's forgery.
-    assert execution.header_values("Idempotency-Fencing-Token") == ["1"]
+    [token] = execution.header_values("Idempotency-Fencing-Token")
+    # Tokens start at 1: a 0 could only be the client's forgery.
+    assert int(token) >= 1
     assert execution.header_values("X-Request-Id") == ["client-chosen-id"]
     assert execution.header_values("Via") == ["1.1 idempotency-gateway"]
     assert execution.header_values("X-Forwarded-For") == ["127.0.0.1"]
@@ -265,7 +267,8 @@ def test_limits_have_safe_defaults_load_back_and_refuse_zero_deadlines(tmp_path:
         defaults.request_head_timeout,
         defaults.request_body_timeout,
         defaults.max_connections,
-    ) == (32 * 1024, 100, 10.0, 60.0, 1000)
+        defaults.keepalive_timeout,
+    ) == (32 * 1024, 100, 10.0, 60.0, 1000, 75.0)
     tight = gateway_config("http://127.0.0.1:9", limits=TIGHT_LIMITS)
     path = tmp_path / "printed.yaml"
     path.write_text(dump_config(tight), encoding="utf-8")
@@ -274,6 +277,31 @@ def test_limits_have_safe_defaults_load_back_and_refuse_zero_deadlines(tmp_path:
         gateway_config("http://127.0.0.1:9", limits={"request_body_timeout": "0s"})
     with pytest.raises(ConfigError, match=r"limits\.max_request_head"):
         gateway_config("http://127.0.0.1:9", limits={"max_request_head": "100B"})
+
+
+async def test_an_idle_client_connection_stays_open_for_the_keepalive_timeout(
+    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream
+) -> None:
+    limits = {"keepalive_timeout": "1s"}
+    async with edge_gateway(tmp_path, postgres_url, upstream.url, limits=limits) as gateway:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+        try:
+            writer.write(request("GET", "/"))
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = parse_reply(head).headers["content-length"]
+            await reader.readexactly(int(length))
+            loop = asyncio.get_running_loop()
+            answered = loop.time()
+            rest = await asyncio.wait_for(reader.read(), 30)
+            idle = loop.time() - answered
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    assert rest == b""
+    # Closed by the setting: neither before it, nor at the server's built-in 5 s.
+    assert 0.9 <= idle < 4.0
 
 
 async def assert_refused(port: int, *writes: bytes, status: int, slug: str) -> None:

@@ -17,7 +17,11 @@ import httpx
 from fastapi import FastAPI, Request
 
 from idempotency_gateway import IdempotencyConfig, IdempotencyMiddleware, Outcome, RecordStore
+from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE
+from idempotency_gateway.idempotency.record import RecordKey
+from idempotency_gateway.idempotency.store import Claim
 from tests.support import serve_asgi
+from tests.support.clock import ManualClock
 from tests.support.problems import assert_problem
 
 CHARGE = {"amount": 1250, "currency": "eur"}
@@ -59,7 +63,8 @@ async def test_readme_example_replays_a_retried_charge(
         retry = await client.post("/v1/charges", json=CHARGE, headers={"Idempotency-Key": key})
 
     assert first.status_code == 200
-    assert first.json() == {"id": "ch_1", "fencing_token": 1}
+    assert first.json()["id"] == "ch_1"
+    assert first.json()["fencing_token"] >= 1
     assert retry.status_code == 200
     assert retry.content == first.content
     assert retry.headers["idempotent-replayed"] == "true"
@@ -169,13 +174,56 @@ async def test_endpoint_sees_the_fencing_token_in_header_and_state(
 
     async with serving(api.app) as client:
         # A token the client makes up never reaches the endpoint.
-        response = await charge(client, key, **{"Idempotency-Fencing-Token": "42"})
+        response = await charge(client, key, **{"Idempotency-Fencing-Token": "0"})
 
     assert response.status_code == 200
     [seen] = api.executions
     assert seen["key"] == key
-    assert seen["state_token"] == 1
-    assert seen["header_token"] == "1"
+    # The store's token in both places, never the client's forgery.
+    assert seen["header_token"] == str(seen["state_token"])
+    assert seen["state_token"] >= 1
+
+
+async def test_endpoint_confirming_its_lease_after_a_takeover_does_nothing(
+    store: RecordStore, clock: ManualClock, unique: Callable[[str], str]
+) -> None:
+    api = FastAPI()
+    api.add_middleware(
+        IdempotencyMiddleware,
+        store=store,
+        policy=IdempotencyConfig(key="required"),
+        scope_secret=SCOPE_SECRET,
+    )
+    arrived, release = asyncio.Event(), asyncio.Event()
+    side_effects: list[str] = []
+
+    @api.post("/v1/charges")
+    async def create_charge(request: Request) -> dict[str, object]:
+        execution = request.state.idempotency
+        arrived.set()
+        await release.wait()
+        await execution.confirm(fresh=True)  # after its own pause: always asks the database
+        side_effects.append(execution.idempotency_key)
+        return {"id": "ch_1"}
+
+    key = unique("lib-confirm")
+    async with serving(api) as client:
+        first = asyncio.create_task(charge(client, key))
+        await arrived.wait()
+        record_key = RecordKey(ANONYMOUS_SCOPE, "POST /v1/charges", key)
+        held = await store.get(record_key)
+        assert held is not None
+        clock.advance(IdempotencyConfig().lease + 1)  # the owner stalled past its lease
+        claim = Claim(held.request_hash, "another-owner", lease=30.0, ttl=3600.0)
+        taken = await store.take_over(held, claim)
+        assert taken is not None
+        release.set()
+        answer = await first
+
+    assert side_effects == []
+    # The taker's record stands; the stalled owner's client is told to ask again.
+    assert_problem(answer, 409, "request-in-flight")
+    assert await store.get(record_key) == taken
 
 
 async def test_endpoint_reporting_not_executed_leaves_the_key_executable(
@@ -193,7 +241,8 @@ async def test_endpoint_reporting_not_executed_leaves_the_key_executable(
     assert first.status_code == 200  # the answer was fine, but nothing happened
     assert retry.status_code == 200
     assert "idempotent-replayed" not in retry.headers
-    assert [seen["state_token"] for seen in api.executions] == [1, 2]
+    first_token, second_token = (seen["state_token"] for seen in api.executions)
+    assert first_token < second_token
     assert replay.headers["idempotent-replayed"] == "true"
     assert replay.content == retry.content
     assert len(api.executions) == 2

@@ -1,11 +1,19 @@
 """One clock on PostgreSQL: gateways whose host clocks disagree by far more than a lease still
-agree on who holds a key, because every lease and expiry is written and judged with the
-database's clock.
+agree on who holds a key, on which admin deletes they have seen and on when a cached answer
+has expired, because every lease, expiry and invalidation is written and judged with the
+database's clock (or, in Redis, as a relative TTL).
 
-Two real gateway processes share one database; one runs two minutes in the future under
-libfaketime (``scripts/test`` installs it). A duplicate sent to either while the other's
-execution is in flight gets 409, never a second execution, and the rows the skewed gateway
-writes carry the database's time.
+Real gateway processes share one database; one runs with its host clock skewed under
+libfaketime (``scripts/test`` installs it):
+
+- two minutes ahead: a duplicate sent to either gateway while the other's execution is in
+  flight gets 409, never a second execution, and the rows it writes carry the database's time;
+- fifteen minutes ahead, without Redis: admin deletes published through any gateway reach
+  every other gateway's in-process replay cache, and the invalidation rows carry the
+  database's time (a host-clock stamp would be pruned before the others read it, or prune
+  theirs);
+- a minute behind, with the in-process cache and with Redis: once the database says a record
+  expired, the skewed gateway executes the key afresh instead of replaying the old answer.
 """
 
 from __future__ import annotations
@@ -15,41 +23,46 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from email.utils import parsedate_to_datetime
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
 import pytest
+import redis.asyncio
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.idempotency.cache import cache_key
 from idempotency_gateway.idempotency.store import RecordStore, asyncpg_dsn_of
-from tests.support import GatewayProcess, RecordingUpstream, write_config
+from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL
+from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support.charges import CHARGES
+from tests.support.clock import skewed_clock_env
 from tests.support.gateway import route
-from tests.support.keyed import keyed_gateway_config, record_key, send_keyed
+from tests.support.keyed import is_replay, keyed_gateway_config, record_key, send_keyed
 
-LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 SKEW = timedelta(minutes=2)
 LEASE = 3.0
 # Margin for statements and scheduling on a loaded machine; far below the skew.
 SLACK = timedelta(seconds=20)
+# Several gateway processes import and start at once; a loaded machine takes its time.
+STARTUP_TIMEOUT = 60.0
 
 
 def skewed_env(database_url: str) -> dict[str, str]:
-    assert LIBFAKETIME.exists(), "libfaketime is missing: run scripts/test, which installs it"
-    return {
-        "GATEWAY_DATABASE_URL": database_url,
-        "LD_PRELOAD": str(LIBFAKETIME),
-        "FAKETIME": f"+{int(SKEW.total_seconds())}s",
-        # Only the wall clock is skewed; timers and timeouts keep running at the real pace.
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-    }
+    return {"GATEWAY_DATABASE_URL": database_url, **skewed_clock_env(SKEW)}
+
+
+async def ask_database(database_url: str, query: str, *args: object) -> Any:
+    """One value, as the database itself computes it (its own clock in ``now()``)."""
+    connection = await asyncpg.connect(asyncpg_dsn_of(database_url))
+    try:
+        return await connection.fetchval(query, *args)
+    finally:
+        await connection.close()
 
 
 async def database_now(database_url: str) -> datetime:
-    connection = await asyncpg.connect(asyncpg_dsn_of(database_url))
-    try:
-        now: datetime = await connection.fetchval("SELECT now()")
-    finally:
-        await connection.close()
+    now: datetime = await ask_database(database_url, "SELECT now()")
     return now
 
 
@@ -67,10 +80,18 @@ async def test_gateways_with_skewed_clocks_never_steal_a_live_lease(
     )
     config_path = write_config(tmp_path, config.model_dump(mode="json"))
     honest = GatewayProcess(
-        config_path, env={"GATEWAY_DATABASE_URL": postgres_url}, log_dir=tmp_path, name="honest"
+        config_path,
+        env={"GATEWAY_DATABASE_URL": postgres_url},
+        log_dir=tmp_path,
+        startup_timeout=STARTUP_TIMEOUT,
+        name="honest",
     )
     ahead = GatewayProcess(
-        config_path, env=skewed_env(postgres_url), log_dir=tmp_path, name="ahead"
+        config_path,
+        env=skewed_env(postgres_url),
+        log_dir=tmp_path,
+        startup_timeout=STARTUP_TIMEOUT,
+        name="ahead",
     )
     store = RecordStore.from_url(postgres_url, StoreConfig())
     on_honest_key, on_ahead_key = unique("owned-by-honest"), unique("owned-by-ahead")
@@ -128,3 +149,178 @@ async def test_gateways_with_skewed_clocks_never_steal_a_live_lease(
     assert upstream.count(on_honest_key) == 1
     assert upstream.count(on_ahead_key) == 1
     assert [r.content for r in replays] == [r.content for r in originals]
+
+
+ADMIN_TOKEN = "one-clock-admin-token"
+# Far past the retention of invalidation rows (ten minutes): a host-clock stamp or prune
+# by this gateway would put its rows, or everyone else's, past it at once.
+FAR_AHEAD = timedelta(minutes=15)
+BEHIND = timedelta(seconds=-60)
+# The promise for an admin delete: one poll interval plus a query; the slack absorbs load.
+INVALIDATION_BOUND = POLL_INTERVAL + 5.0
+# Long enough that a replay right after the first answer still finds the record live on a
+# loaded machine; short, because the test waits it out.
+SHORT_TTL = 6.0
+# Redis starts a TTL when the SET arrives and counts whole milliseconds.
+TTL_SLACK_MS = 50
+
+
+def execution_of(response: httpx.Response) -> int:
+    assert response.status_code == 201, response.text
+    number: int = response.json()["execution"]
+    return number
+
+
+async def admin_delete(gateway: GatewayProcess, key: str) -> None:
+    async with httpx.AsyncClient(trust_env=False, timeout=30.0) as admin:
+        deleted = await admin.delete(
+            f"{gateway.admin_url}/admin/records",
+            params={"operation": f"POST {CHARGES}", "key": key, "scope": record_key(key).scope},
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        )
+    assert deleted.status_code == 200, deleted.text
+
+
+async def record_expired(database_url: str, key: str) -> bool:
+    """Whether the database's clock has passed the record's expiry."""
+    expired: bool = await ask_database(
+        database_url,
+        "SELECT expires_at <= now() FROM idempotency_records WHERE idempotency_key = $1",
+        key,
+    )
+    return expired
+
+
+@pytest.mark.multiprocess
+async def test_admin_deletes_reach_every_gateway_whatever_its_host_clock(
+    tmp_path: Path,
+    postgres_url: str,
+    upstream: RecordingUpstream,
+    unique: Callable[[str], str],
+) -> None:
+    config_path = write_config(tmp_path, keyed_gateway_config(upstream.url).model_dump(mode="json"))
+    honest_env = {"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN}
+    first, second = (
+        GatewayProcess(
+            config_path,
+            env=honest_env,
+            log_dir=tmp_path,
+            startup_timeout=STARTUP_TIMEOUT,
+            name=name,
+        )
+        for name in ("first", "second")
+    )
+    ahead = GatewayProcess(
+        config_path,
+        env={**honest_env, **skewed_clock_env(FAR_AHEAD)},
+        log_dir=tmp_path,
+        startup_timeout=STARTUP_TIMEOUT,
+        name="ahead",
+    )
+    gateways = (first, second, ahead)
+    clients = {
+        gateway.name: httpx.AsyncClient(base_url=gateway.url, timeout=30.0, trust_env=False)
+        for gateway in gateways
+    }
+
+    async def warmed(key: str) -> int:
+        """Execute through ``first``; every gateway then holds the answer in its cache."""
+        original = execution_of(await send_keyed(clients["first"], key))
+        for name in ("second", "ahead"):
+            replay = await send_keyed(clients[name], key)
+            assert (execution_of(replay), is_replay(replay)) == (original, True)
+        return original
+
+    async def answers_afresh(name: str, key: str, old: int) -> None:
+        async def no_longer_old() -> bool:
+            return execution_of(await send_keyed(clients[name], key)) != old
+
+        await eventually(
+            no_longer_old,
+            timeout=INVALIDATION_BOUND,
+            interval=0.1,
+            message=f"{name} dropped the deleted answer",
+        )
+
+    on_honest, on_ahead = unique("deleted-through-honest"), unique("deleted-through-ahead")
+    try:
+        await asyncio.gather(*(gateway.start() for gateway in gateways))
+        # Deleted through an honest gateway: the one far ahead reads the row and leaves it
+        # for the others (pruning by its own clock would delete it before they read it).
+        old = await warmed(on_honest)
+        await admin_delete(first, on_honest)
+        await answers_afresh("second", on_honest, old)
+        await answers_afresh("ahead", on_honest, old)
+
+        # Deleted through the gateway far ahead: its row carries the database's time.
+        old = await warmed(on_ahead)
+        await admin_delete(ahead, on_ahead)
+        stamp_age = await ask_database(
+            postgres_url,
+            "SELECT now() - max(created_at) FROM cache_invalidations WHERE idempotency_key = $1",
+            on_ahead,
+        )
+        assert abs(stamp_age) < SLACK
+        await answers_afresh("first", on_ahead, old)
+        await answers_afresh("second", on_ahead, old)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+        await asyncio.gather(*(gateway.stop() for gateway in gateways))
+        for gateway in gateways:
+            print(f"--- gateway {gateway.name} log tail ---\n{gateway.log_tail()}")
+
+    # Each key: the first execution, and one more after its delete, whoever answered.
+    assert upstream.count(on_honest) == 2
+    assert upstream.count(on_ahead) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cache", ["in-process", "redis"])
+async def test_a_gateway_behind_never_replays_an_answer_the_database_says_expired(
+    cache: str,
+    tmp_path: Path,
+    postgres_url: str,
+    redis_url: str,
+    redis_client: redis.asyncio.Redis,
+    upstream: RecordingUpstream,
+    unique: Callable[[str], str],
+) -> None:
+    config = keyed_gateway_config(
+        upstream.url, routes=[route("/", key="required", ttl=f"{SHORT_TTL:g}s", lease="3s")]
+    )
+    env = {"GATEWAY_DATABASE_URL": postgres_url, **skewed_clock_env(BEHIND)}
+    if cache == "redis":
+        env["GATEWAY_REDIS_URL"] = redis_url
+    behind = GatewayProcess(
+        write_config(tmp_path, config.model_dump(mode="json")),
+        env=env,
+        log_dir=tmp_path,
+        startup_timeout=STARTUP_TIMEOUT,
+        name="behind",
+    )
+    key = unique("short-lived")
+    try:
+        await behind.start()
+        async with httpx.AsyncClient(base_url=behind.url, timeout=30.0, trust_env=False) as client:
+            original = await send_keyed(client, key)
+            replay = await send_keyed(client, key)
+            if cache == "redis":
+                # Its remaining life as the database counts it, not a minute more.
+                ttl_ms = await redis_client.pttl(cache_key(record_key(key)))
+                assert 0 < ttl_ms <= SHORT_TTL * 1000 + TTL_SLACK_MS
+            await eventually(
+                lambda: record_expired(postgres_url, key),
+                timeout=SHORT_TTL + 10.0,
+                interval=0.2,
+                message="the database says the record expired",
+            )
+            afresh = await send_keyed(client, key)
+    finally:
+        await behind.stop()
+        print(f"--- gateway log tail ---\n{behind.log_tail()}")
+
+    assert (execution_of(replay), is_replay(replay)) == (execution_of(original), True)
+    assert not is_replay(afresh), "a gateway behind replayed an expired answer"
+    assert execution_of(afresh) != execution_of(original)
+    assert upstream.count(key) == 2

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 from prometheus_client import REGISTRY
 
+from idempotency_gateway.clock import lease_clock
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.record import Record, RecordKey
 from idempotency_gateway.idempotency.store import Claim, RecordStore
@@ -50,7 +51,7 @@ async def test_heartbeat_renews_the_lease_again_and_again_while_the_owner_runs(
     store: RecordStore, clock: ManualClock, unique: Callable[[str], str]
 ) -> None:
     record = await reserved(store, unique("heartbeat"))
-    run = OwnerRun(store, record, lease=LEASE, ttl=TTL)
+    run = OwnerRun(store, record, lease=LEASE, ttl=TTL, sent_at=lease_clock())
     async with run.heartbeat():
         for _ in range(3):
             clock.advance(60)
@@ -62,7 +63,7 @@ async def test_an_owner_taken_over_stops_renewing_and_knows_it_was_fenced(
     store: RecordStore, clock: ManualClock, unique: Callable[[str], str]
 ) -> None:
     record = await reserved(store, unique("fenced-heartbeat"))
-    run = OwnerRun(store, record, lease=LEASE, ttl=TTL)
+    run = OwnerRun(store, record, lease=LEASE, ttl=TTL, sent_at=lease_clock())
 
     def fenced_renewals() -> float:
         value = REGISTRY.get_sample_value(

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
 
 import pytest
 import pytest_asyncio
 
 from idempotency_gateway.idempotency.cache import CachedAnswer
+from idempotency_gateway.idempotency.cluster_wakeups import ClusterWakeups
 from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.redis_cache import RedisCache
 from idempotency_gateway.idempotency.redis_connection import connect_redis
-from idempotency_gateway.idempotency.wakeups import RedisWakeups
-from tests.support.redis_nodes import RedisClusterNodes
+from tests.support.redis_nodes import RedisClusterNodes, tolerates_dead_node_leaks
 from tests.support.waiting import eventually
 
 KEYS = 60  # enough that every one of three primaries owns some
@@ -29,7 +29,7 @@ KEYS = 60  # enough that every one of three primaries owns some
 
 def answer_for(key: RecordKey) -> CachedAnswer:
     response = StoredResponse(status=200, headers=[], body=key.idempotency_key.encode())
-    expires_at = datetime.now(UTC).timestamp() + 3600
+    expires_at = time.monotonic() + 3600
     return CachedAnswer(key, "hash-1", Status.SUCCEEDED, response, expires_at)
 
 
@@ -73,9 +73,9 @@ async def test_entries_on_every_node_are_stored_and_replayed(
 async def test_a_wakeup_published_by_one_client_reaches_a_waiter_of_another(
     cluster: RedisClusterNodes, cache: RedisCache, keys: list[RecordKey]
 ) -> None:
-    waiting_side = RedisWakeups(
-        subscriber=connect_redis(cluster.url, timeout=None, connect_timeout=1.0),
-        publisher=connect_redis(cluster.url, timeout=1.0, connect_timeout=1.0),
+    waiting_side = ClusterWakeups(
+        subscriber=cluster.client(timeout=None),
+        publisher=cluster.client(timeout=1.0),
         timeout=1.0,
     )
     await waiting_side.start()
@@ -92,10 +92,7 @@ async def test_a_wakeup_published_by_one_client_reaches_a_waiter_of_another(
         await waiting_side.close()
 
 
-# redis-py's cluster client drops the dead node's connection objects when it re-reads the
-# topology without closing their transports (a library leak on this fault path only).
-@pytest.mark.filterwarnings("ignore:unclosed <StreamWriter:ResourceWarning")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@tolerates_dead_node_leaks
 async def test_a_killed_primary_costs_misses_is_named_and_recovers(
     cluster: RedisClusterNodes, cache: RedisCache, keys: list[RecordKey]
 ) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -37,7 +37,7 @@ def answer_for(key: RecordKey) -> CachedAnswer:
     response = StoredResponse(
         status=201, headers=[("content-type", "text/plain")], body=b"x" * 1024
     )
-    expires_at = datetime.now(UTC).timestamp() + ONE_HOUR
+    expires_at = time.monotonic() + ONE_HOUR
     return CachedAnswer(key, "hash-1", Status.SUCCEEDED, response, expires_at)
 
 

@@ -23,8 +23,9 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import UpstreamConfig
-from idempotency_gateway.errors import CircuitOpen, DeadlineExhausted
-from idempotency_gateway.idempotency.record import RecordKey, Status
+from idempotency_gateway.errors import CircuitOpen, DeadlineExhausted, LeaseNotConfirmed
+from idempotency_gateway.execution import Execution, Outcome
+from idempotency_gateway.idempotency.record import Record, RecordKey, Status
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
@@ -125,6 +126,7 @@ def open_keyed_charge(
     *,
     key: str = "k1",
     seconds_left: float = 10.0,
+    execution: Execution | None = None,
 ) -> Awaitable[UpstreamResponse]:
     """``resilient.open`` a keyed charge scripted by ``behavior``, with ``seconds_left`` on the
     deadline (ten seconds: more than any retry loop here needs, unless a test says otherwise)."""
@@ -132,7 +134,55 @@ def open_keyed_charge(
         charge_request(upstream, behavior, key),
         deadline=deadline(clock, seconds_left),
         plan=KEYED,
+        execution=execution,
     )
+
+
+class LeaseLostAt:
+    """A lease that is confirmed until the confirmation numbered ``lost_at`` (1-based)."""
+
+    def __init__(self, lost_at: int) -> None:
+        self.lost_at = lost_at
+        self.confirmations: list[bool] = []
+        """``fresh`` of each confirmation asked for, in order."""
+
+    async def confirm(self, *, fresh: bool = False) -> None:
+        self.confirmations.append(fresh)
+        if len(self.confirmations) >= self.lost_at:
+            raise LeaseNotConfirmed("another owner took the record over", fenced=True)
+
+    def check(self) -> None:
+        if len(self.confirmations) >= self.lost_at:
+            raise LeaseNotConfirmed("another owner took the record over", fenced=True)
+
+
+@pytest.mark.parametrize(
+    ("lost_at", "outcome"),
+    [(1, Outcome.NOT_EXECUTED), (2, Outcome.AMBIGUOUS)],
+    ids=["before-the-first-attempt", "after-the-pause"],
+)
+async def test_a_lost_lease_ends_the_loop_unsent_unretried_and_without_a_breaker_verdict(
+    make_resilient: MakeResilient,
+    upstream: RecordingUpstream,
+    clock: ManualClock,
+    lost_at: int,
+    outcome: Outcome,
+) -> None:
+    resilient = await make_resilient(retry={"max_attempts": 3})
+    lease = LeaseLostAt(lost_at)
+    execution = Execution("k-lease", 7, lease)
+
+    with pytest.raises(LeaseNotConfirmed):
+        await open_keyed_charge(
+            resilient, upstream, clock, "status=503", key="k-lease", execution=execution
+        )
+
+    # Confirmed before the first attempt, afresh after the pause; nothing after the refusal.
+    assert lease.confirmations == [False, True][:lost_at]
+    assert upstream.count("k-lease") == lost_at - 1
+    assert execution.outcome is outcome
+    # Only the attempt that was sent (its 503) told the breaker anything.
+    assert resilient.breaker.snapshot().calls == lost_at - 1
 
 
 async def status_of(answer: Awaitable[UpstreamResponse]) -> int:
@@ -327,10 +377,14 @@ def send(
     return gateway.client.request(method, CHARGES, headers=sent, **body)
 
 
-async def record_status(store: RecordStore, key: str) -> Status:
+async def record_of(store: RecordStore, key: str) -> Record:
     record = await store.get(RecordKey("anonymous", f"POST {CHARGES}", key))
     assert record is not None
-    return record.status
+    return record
+
+
+async def record_status(store: RecordStore, key: str) -> Status:
+    return (await record_of(store, key)).status
 
 
 async def test_503_twice_then_success_is_one_answer_from_three_attempts(
@@ -348,7 +402,7 @@ async def test_503_twice_then_success_is_one_answer_from_three_attempts(
     assert response.status_code == 201
     assert response.json()["execution"] == upstream.executions_for(key)[-1].number
     # One record, one owner: every attempt carries the same fencing token.
-    assert [e.fencing_token for e in upstream.executions_for(key)] == [1, 1, 1]
+    assert len({e.fencing_token for e in upstream.executions_for(key)}) == 1
     retries = retries_in(retry_log())
     assert len(retries) == 2
     assert all("primary after status 503" in line for line in retries)
@@ -428,7 +482,12 @@ async def test_keyed_post_that_ran_out_of_attempts_is_failed_retryable_and_runs_
     retry = await send(gateway, key=key)
     assert retry.status_code == 201
     assert "idempotent-replayed" not in retry.headers
-    assert [e.fencing_token for e in upstream.executions_for(key)] == [1, 1, 1, 2]
+    tokens = [e.fencing_token for e in upstream.executions_for(key)]
+    # Three attempts of the first owner, then the next owner's larger token.
+    assert tokens[:3] == [tokens[0]] * 3
+    assert tokens[0] is not None
+    assert tokens[3] is not None
+    assert tokens[0] < tokens[3]
     assert await record_status(store, key) is Status.SUCCEEDED
 
 
@@ -535,7 +594,7 @@ async def test_ambiguous_failure_is_retried_only_under_on_ambiguous_retry(
 
     assert_problem(response, status, slug)
     assert upstream.count(key) == attempts
-    assert [e.fencing_token for e in upstream.executions_for(key)] == [1] * attempts
+    assert len({e.fencing_token for e in upstream.executions_for(key)}) == 1
     assert len({e.body for e in upstream.executions_for(key)}) == 1
     assert await record_status(store, key) is record
     [final] = final_decisions_in(retry_log())
@@ -644,8 +703,12 @@ async def test_breaker_opens_after_failures_and_then_spares_the_upstream(
     assert await record_status(store, key) is Status.FAILED_RETRYABLE
 
     breaker.force(None)
+    refused = await record_of(store, key)
     retry = await send(gateway, key=key)
 
     assert retry.status_code == 201
-    assert [e.fencing_token for e in upstream.executions_for(key)] == [2]
+    # The refused first owner's token, then the next owner's larger one went upstream.
+    [executed] = upstream.executions_for(key)
+    assert executed.fencing_token is not None
+    assert executed.fencing_token > refused.fencing_token
     assert await record_status(store, key) is Status.SUCCEEDED

@@ -18,9 +18,11 @@ from idempotency_gateway.config import (
     GatewayConfig,
     StoreConfig,
     dump_config,
+    environment_settings,
     load_config,
     single_upstream_config,
 )
+from idempotency_gateway.routing import check_routes
 from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare_metrics_directory
 from idempotency_gateway.telemetry.startup import log_startup
 
@@ -84,11 +86,17 @@ def _resolve_config(args: argparse.Namespace, settings: EnvSettings) -> GatewayC
         raise ConfigError(
             "command line", ["no upstream: give --upstream URL, --config FILE or GATEWAY_CONFIG"]
         )
-    return load_config(Path(config_path))
+    return _checked(load_config(Path(config_path)), source=str(config_path))
+
+
+def _checked(config: GatewayConfig, *, source: str) -> GatewayConfig:
+    """What a valid file can still get wrong between its entries: routes that collide."""
+    check_routes(config.routes, source=source)
+    return config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = EnvSettings()
+    settings = environment_settings()
     config = _resolve_config(args, settings)
     metrics_directory = None
     if args.workers > 1 and MULTIPROCESS_ENV not in os.environ:
@@ -142,7 +150,7 @@ def _run_server(
         limits=config.limits,
         gateway_config=config,
         # SIGHUP reads the same source again: the file (--config or GATEWAY_CONFIG).
-        reload_config=lambda: _resolve_config(args, EnvSettings()),
+        reload_config=lambda: _resolve_config(args, environment_settings()),
         drain=DrainState(drain_marker),
     )
 
@@ -151,7 +159,7 @@ def _migrate(args: argparse.Namespace) -> int:
     from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
 
-    url = database_url_or_default(EnvSettings().database_url)
+    url = database_url_or_default(environment_settings().database_url)
     deadline = time.monotonic() + args.wait
     while True:
         # A container starting beside its database must not fail because it came up first.
@@ -188,7 +196,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     async def sweep_all() -> int | None:
         store = RecordStore.from_url(
-            database_url_or_default(EnvSettings().database_url), StoreConfig()
+            database_url_or_default(environment_settings().database_url), StoreConfig()
         )
         try:
             return await store.sweep(batch_size=args.batch_size)
@@ -208,7 +216,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    config = load_config(args.file)
+    config = _checked(load_config(args.file), source=str(args.file))
     print(dump_config(config), end="")
     return 0
 

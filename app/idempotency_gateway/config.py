@@ -8,6 +8,8 @@ silently ignored setting. Durations are written ``250ms``, ``30s``, ``5m``, ``24
 from __future__ import annotations
 
 import re
+import ssl
+from collections.abc import Collection, Iterable
 from decimal import Decimal
 from enum import StrEnum
 from ipaddress import IPv4Network, IPv6Network, ip_network
@@ -16,18 +18,23 @@ from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AnyHttpUrl,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    FilePath,
     PlainSerializer,
     SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails, PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from idempotency_gateway.database_url import sqlalchemy_url
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_UNITS = {
@@ -96,6 +103,34 @@ Duration = Annotated[
     float, BeforeValidator(parse_duration), PlainSerializer(_format_duration, return_type=str)
 ]
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+# RFC 9110 section 5.1: a field name is a token; anything else (a space, a colon) can never
+# match a header a client sends, so such a setting would silently do nothing.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _header_name(value: str) -> str:
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(f"{value!r} is not a header field name (RFC 9110 section 5.1)")
+    return value
+
+
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+# Lower-case, as the ASGI scope carries names; defaults are written lower-case too, since
+# defaults are not validated and a printed config must load back equal.
+LowerHeaderName = Annotated[HeaderName, AfterValidator(str.lower)]
+
+# The methods a route may record: the unsafe methods RFC 9110 and RFC 5789 define. A safe
+# method (GET, HEAD, OPTIONS, TRACE) changes nothing, so there is nothing to deduplicate.
+RECORDABLE_METHODS: Final = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _recordable_methods(value: frozenset[str]) -> frozenset[str]:
+    unknown = sorted(value - RECORDABLE_METHODS)
+    if unknown:
+        allowed = ", ".join(sorted(RECORDABLE_METHODS))
+        raise ValueError(f"cannot record {', '.join(unknown)}: methods must be among {allowed}")
+    return value
 
 
 class _Model(BaseModel):
@@ -201,16 +236,99 @@ class BreakerConfig(_Model):
     )
 
 
+class BulkheadConfig(_Model):
+    """A bulkhead, per worker process: at most ``max_concurrent`` requests at once, up to
+    ``max_queued`` more waiting in arrival order for at most ``queue_timeout``; anything
+    beyond is refused at once with a 503 ``capacity-exhausted`` problem."""
+
+    max_concurrent: int = Field(ge=1, le=100_000)
+    max_queued: int = Field(0, ge=0, le=100_000)
+    queue_timeout: Duration = 0.1
+
+    @model_validator(mode="after")
+    def _queue_has_a_timeout(self) -> BulkheadConfig:
+        if self.max_queued and self.queue_timeout <= 0:
+            raise ValueError("queue_timeout must be above zero when max_queued is")
+        return self
+
+
+def _no_password() -> bytes:
+    # Without a callback OpenSSL would prompt on the terminal, and serve would hang there.
+    raise ValueError("client_key is encrypted; give the gateway an unencrypted key file")
+
+
+class TlsConfig(_Model):
+    """TLS toward an ``https`` upstream. The certificate is always verified; by default against
+    the system's CAs and for the URL's host name, which is also sent in SNI."""
+
+    # PEM: the CAs that may sign the upstream's certificate (a private CA, a mesh's root).
+    ca_bundle: FilePath | None = None
+    # PEM: the gateway's own certificate (chain) and its key, for upstreams that require mTLS.
+    # The key may be in client_cert's file instead.
+    client_cert: FilePath | None = None
+    client_key: FilePath | None = None
+    # The name sent in SNI and that the certificate must hold, when not the URL's host (an
+    # upstream reached by IP address or through a tunnel).
+    server_name: str | None = Field(None, min_length=1, max_length=253)
+    # Off only for a certificate without the name (the chain is still verified).
+    verify_hostname: bool = True
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_bundle)
+        context.check_hostname = self.verify_hostname
+        if self.client_cert is not None:
+            context.load_cert_chain(self.client_cert, self.client_key, password=_no_password)
+        return context
+
+    @model_validator(mode="after")
+    def _loads(self) -> TlsConfig:
+        if self.client_key is not None and self.client_cert is None:
+            raise ValueError("client_key needs client_cert")
+        try:
+            if self.ca_bundle is not None or self.client_cert is not None:
+                self.context()
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            # A file that is there but holds no usable PEM: refused now, not at the first call.
+            raise ValueError(f"cannot load the TLS files: {exc}") from None
+        return self
+
+
 class UpstreamConfig(_Model):
     url: AnyHttpUrl
     timeouts: TimeoutsConfig = TimeoutsConfig()
     pool: PoolConfig = PoolConfig()
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
+    # Every request to this upstream, whatever its route, and every retry (``RetrySlot``).
+    bulkhead: BulkheadConfig | None = None
+    tls: TlsConfig = TlsConfig()
+
+    @model_validator(mode="after")
+    def _queue_shorter_than_deadline(self) -> UpstreamConfig:
+        _refuse_queue_past_deadline(self.bulkhead, self.timeouts, "bulkhead")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_only_for_https(self) -> UpstreamConfig:
+        if self.url.scheme != "https" and self.tls != TlsConfig():
+            raise ValueError("tls settings need an https url")
+        return self
 
     @property
     def base_url(self) -> str:
         return str(self.url).rstrip("/")
+
+
+def _refuse_queue_past_deadline(
+    bulkhead: BulkheadConfig | None, timeouts: TimeoutsConfig, where: str
+) -> None:
+    # A request that may wait in the queue for its whole deadline is refused at the deadline
+    # instead of at once: exactly what a bulkhead is there to prevent.
+    if bulkhead is not None and bulkhead.max_queued and bulkhead.queue_timeout >= timeouts.total:
+        raise ValueError(
+            f"{where}: queue_timeout ({bulkhead.queue_timeout}s) must be shorter than the "
+            f"upstream's timeouts.total ({timeouts.total}s)"
+        )
 
 
 class OutcomeConfig(_Model):
@@ -218,6 +336,11 @@ class OutcomeConfig(_Model):
 
     not_executed: frozenset[int] = frozenset({408, 425, 429, 503})
     ambiguous: frozenset[int] = frozenset({502, 504})
+
+
+# A canonical JSON form costs an object per value, so its size is bounded (docs/CONTRACT.md).
+DEFAULT_MAX_CANONICAL_BODY: Final = 64 * 1024
+MAX_CANONICAL_BODY: Final = 1024 * 1024
 
 
 class IdempotencyConfig(_Model):
@@ -233,7 +356,10 @@ class IdempotencyConfig(_Model):
     wait_max: Duration = 10.0
     max_stored_body: ByteSize = 1024 * 1024
     operation: str | None = Field(None, min_length=1, max_length=200)
-    fingerprint_headers: tuple[str, ...] = ()
+    fingerprint_headers: tuple[LowerHeaderName, ...] = ()
+    # JSON bodies up to this size are compared canonically (key order and whitespace aside);
+    # larger ones byte for byte, a pass over the bytes instead of an object per value.
+    max_canonical_body: ByteSize = Field(DEFAULT_MAX_CANONICAL_BODY, ge=0, le=MAX_CANONICAL_BODY)
     outcomes: OutcomeConfig = OutcomeConfig()
     # How the gateway's own errors look on this route: RFC 9457 problems, or the body
     # Stripe's SDKs parse (for routes in front of a Stripe-compatible API).
@@ -246,10 +372,10 @@ class IdempotencyConfig(_Model):
             return frozenset(str(method).upper() for method in value)
         return value
 
-    @field_validator("fingerprint_headers")
+    @field_validator("methods")
     @classmethod
-    def _lower_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(name.lower() for name in value)
+    def _known_methods(cls, value: frozenset[str]) -> frozenset[str]:
+        return _recordable_methods(value)
 
     @model_validator(mode="after")
     def _sane_times(self) -> IdempotencyConfig:
@@ -262,6 +388,13 @@ class IdempotencyConfig(_Model):
 
 class RouteMatch(_Model):
     path_prefix: str = Field(pattern=r"^/")
+    # Most upstream frameworks (Express, ASP.NET Core, IIS, Spring's option) route /V1/Charges
+    # to the /v1/charges handler: a policy matched by exact case would let it pass unprotected.
+    case_sensitive: bool = False
+    # Rails (and Spring's suffix pattern matching) route /v1/charges.json and /v1/charges. to
+    # the /v1/charges handler: with this on, the path's last segment also matches without
+    # everything from its first dot on.
+    format_suffixes: bool = False
 
 
 class RouteConfig(_Model):
@@ -269,17 +402,14 @@ class RouteConfig(_Model):
     match: RouteMatch
     upstream: str
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    # The name of a tier in ``bulkheads``: every route naming it shares its capacity.
+    bulkhead: str | None = None
 
 
 class ScopeConfig(_Model):
-    # Lower-case like the validator's output: defaults are not validated, and a printed
-    # config must load back equal.
-    headers: tuple[str, ...] = ("authorization",)
-
-    @field_validator("headers")
-    @classmethod
-    def _lower_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(name.lower() for name in value)
+    # At least one: a scope of no headers would put every client in one scope, where anyone
+    # who guesses a key and body shares its answer.
+    headers: tuple[LowerHeaderName, ...] = Field(("authorization",), min_length=1)
 
 
 class LimitsConfig(_Model):
@@ -294,14 +424,21 @@ class LimitsConfig(_Model):
     request_head_timeout: Duration = 10.0
     # From the end of the head until the last byte of the body.
     request_body_timeout: Duration = 60.0
+    # How long an idle client connection stays open for its next request. Longer than the idle
+    # timeout of the balancers commonly in front (AWS ALB, nginx: 60 s) so that the balancer,
+    # not the gateway, closes an idle connection: when the gateway closes first, a request the
+    # balancer sends on that connection at the same moment is lost and answered with a 502.
+    keepalive_timeout: Duration = 75.0
     # Per worker process, both listeners together; beyond it a connection gets a 503 problem
     # and is closed at once.
     max_connections: int = Field(1000, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
     def _positive_timeouts(self) -> LimitsConfig:
-        if min(self.request_head_timeout, self.request_body_timeout) <= 0:
-            raise ValueError("request_head_timeout and request_body_timeout must be above zero")
+        if min(self.request_head_timeout, self.request_body_timeout, self.keepalive_timeout) <= 0:
+            raise ValueError(
+                "request_head_timeout, request_body_timeout and keepalive_timeout must be above 0"
+            )
         return self
 
 
@@ -365,23 +502,83 @@ class GatewayConfig(_Model):
     sweeper: SweeperConfig = SweeperConfig()
     lifecycle: LifecycleConfig = LifecycleConfig()
     store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE
-    idempotency_header: str = DEFAULT_IDEMPOTENCY_HEADER
+    idempotency_header: HeaderName = DEFAULT_IDEMPOTENCY_HEADER
     trusted_proxies: tuple[IpNetwork, ...] = ()
+    # Route tiers (``critical``, ``optional``, ...): named bulkheads that routes opt into.
+    bulkheads: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], BulkheadConfig] = {}
 
     @model_validator(mode="after")
     def _routes_name_known_upstreams(self) -> GatewayConfig:
-        names: set[str] = set()
+        errors = route_reference_errors(
+            [(route.name, route.upstream) for route in self.routes], self.upstreams
+        )
+        if errors:
+            raise PydanticCustomError(_ROUTE_REFERENCES, "; ".join(errors))
+        return self
+
+    @model_validator(mode="after")
+    def _routes_name_known_bulkheads(self) -> GatewayConfig:
+        known = ", ".join(sorted(self.bulkheads)) or "none"
         for route in self.routes:
-            if route.upstream not in self.upstreams:
-                known = ", ".join(sorted(self.upstreams))
+            if route.bulkhead is None:
+                continue
+            if route.bulkhead not in self.bulkheads:
                 raise ValueError(
-                    f"route {route.name!r} names upstream {route.upstream!r}, "
+                    f"route {route.name!r} names bulkhead {route.bulkhead!r}, "
                     f"which is not defined (defined: {known})"
                 )
-            if route.name in names:
-                raise ValueError(f"route name {route.name!r} is used twice")
-            names.add(route.name)
+            _refuse_queue_past_deadline(
+                self.bulkheads[route.bulkhead],
+                self.upstreams[route.upstream].timeouts,
+                f"route {route.name!r}, bulkhead {route.bulkhead!r}",
+            )
         return self
+
+
+# The error type of the route reference check, which validate_config runs on the raw data.
+_ROUTE_REFERENCES = "route_references"
+
+
+def route_reference_errors(
+    routes: Iterable[tuple[object, object]], upstreams: Collection[object]
+) -> list[str]:
+    """What is wrong with the routes' names and the upstreams they name, given as
+    ``(name, upstream)`` pairs: checked on raw data too, so one run of check-config reports
+    these beside every field error instead of after they are fixed."""
+    errors: list[str] = []
+    seen: set[object] = set()
+    known = ", ".join(sorted(str(name) for name in upstreams))
+    for name, upstream in routes:
+        if upstream not in upstreams:
+            errors.append(
+                f"route {name!r} names upstream {upstream!r}, "
+                f"which is not defined (defined: {known})"
+            )
+        if name in seen:
+            errors.append(f"route name {name!r} is used twice")
+        seen.add(name)
+    return errors
+
+
+# The URL schemes each store accepts; anything else would start and then fail in every worker.
+DATABASE_SCHEMES: Final = (
+    "postgresql",
+    "postgres",
+    "postgresql+asyncpg",
+    "sqlite",
+    "sqlite+aiosqlite",
+)
+REDIS_SCHEMES: Final = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+def _url_with_scheme(value: str | None, schemes: tuple[str, ...], what: str) -> str | None:
+    if value is None:
+        return None
+    scheme, separator, rest = value.partition("://")
+    if not separator or scheme.lower() not in schemes or not rest:
+        known = ", ".join(f"{name}://" for name in schemes)
+        raise ValueError(f"not {what} URL: it must start with one of {known}")
+    return value
 
 
 class EnvSettings(BaseSettings):
@@ -397,6 +594,21 @@ class EnvSettings(BaseSettings):
     config: Path | None = None
     admin_port: int = Field(8081, ge=0, le=65535)
 
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        checked = _url_with_scheme(value, DATABASE_SCHEMES, "a PostgreSQL or SQLite")
+        if checked is not None:
+            # A typo in a host list is an error naming the variable, not a store that fails
+            # on every request.
+            sqlalchemy_url(checked)
+        return checked
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        return _url_with_scheme(value, REDIS_SCHEMES, "a Redis")
+
 
 class ConfigError(Exception):
     """A configuration that cannot be used; ``errors`` name each bad field."""
@@ -407,16 +619,68 @@ class ConfigError(Exception):
         self.errors = errors
 
 
+def _message(error: ErrorDetails) -> str:
+    # pydantic words a validator's ValueError as "Value error, <ours>"; ours says it all.
+    return error["msg"].removeprefix("Value error, ")
+
+
 def _field_path(location: tuple[int | str, ...]) -> str:
     return ".".join(str(part) for part in location) or "(top level)"
+
+
+def environment_settings() -> EnvSettings:
+    """The ``GATEWAY_*`` settings, or a ``ConfigError`` naming every variable that is wrong:
+    checked once, before anything starts, so a bad value is one clear error, not workers that
+    crash in a loop."""
+    try:
+        return EnvSettings()
+    except ValidationError as exc:
+        prefix = EnvSettings.model_config.get("env_prefix", "")
+        errors = [f"{prefix}{str(err['loc'][0]).upper()}: {_message(err)}" for err in exc.errors()]
+        raise ConfigError("the environment", errors) from None
 
 
 def validate_config(data: object, *, source: str) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
-        errors = [f"{_field_path(err['loc'])}: {err['msg']}" for err in exc.errors()]
+        errors = [
+            f"{_field_path(err['loc'])}: {_message(err)}"
+            for err in exc.errors()
+            # Reported below from the raw data, with the field errors, in one round.
+            if err["type"] != _ROUTE_REFERENCES
+        ]
+        errors.extend(_raw_route_reference_errors(data))
         raise ConfigError(source, errors) from None
+
+
+def _raw_route_reference_errors(data: object) -> list[str]:
+    if not isinstance(data, dict):
+        return []
+    routes, upstreams = data.get("routes"), data.get("upstreams")
+    # No upstreams at all is its own error already; naming each route beside it adds nothing.
+    if not isinstance(routes, list) or not isinstance(upstreams, dict) or not upstreams:
+        return []
+    pairs = [
+        (route.get("name"), route.get("upstream")) for route in routes if isinstance(route, dict)
+    ]
+    return route_reference_errors(pairs, upstreams)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key written twice in one mapping is an error: the
+    plain loader keeps the last one silently, so half a route's settings would vanish."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: Path) -> GatewayConfig:
@@ -425,7 +689,7 @@ def load_config(path: Path) -> GatewayConfig:
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read the file: {exc.strerror}"]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):

@@ -22,8 +22,10 @@ translated into this tree in one place each: ``proxy`` (its client, connection a
     │   └── TunnelRefused                 400, CONNECT (authority-form): the gateway is no tunnel
     ├── UnexpectedError                 a bug in the gateway (500), never a plain-text page
     ├── TooManyConnections              the worker's connection cap is reached (503)
+    ├── CapacityExhausted               a bulkhead is full: refused before anything ran (503)
     ├── StoreUnavailable                the durable record cannot be read or written (503)
     │   └── StoreReadOnly                 the database refuses writes (a standby)
+    ├── LeaseNotConfirmed               the owner could not confirm its lease: nothing sent (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
         ├── UpstreamNotSent               the request never left: safe to execute again (502)
@@ -166,6 +168,18 @@ class TooManyConnections(GatewayError):
     retry_after = 1
 
 
+class CapacityExhausted(GatewayError):
+    """A route tier's or an upstream's bulkhead had no slot and no room (or time) in its
+    queue. Refused before the record is reserved and before anything is sent, so a retry
+    with the same key is as safe as the first try."""
+
+    status = 503
+    slug = "capacity-exhausted"
+    title = "Gateway capacity for this request is exhausted"
+    retryable = True
+    retry_after = 1
+
+
 class StoreUnavailable(GatewayError):
     status = 503
     slug = "store-unavailable"
@@ -179,6 +193,22 @@ class StoreReadOnly(StoreUnavailable):
     set read-only."""
 
     title = "Idempotency store is read-only"
+
+
+class LeaseNotConfirmed(GatewayError):
+    """The execution's owner could not confirm with the database that it still holds the
+    record's lease (fenced by a newer owner, or the store did not answer in time), so the
+    attempt it was about to make was not sent."""
+
+    status = 503
+    slug = "lease-not-confirmed"
+    title = "Lease not confirmed; the request was not sent"
+    retryable = True
+    retry_after = 1
+
+    def __init__(self, detail: str, *, fenced: bool) -> None:
+        super().__init__(detail)
+        self.fenced = fenced
 
 
 class AdminError(GatewayError):
@@ -246,11 +276,12 @@ class UpstreamConnectionLost(UpstreamAmbiguous):
 
 
 class UpstreamInvalidResponse(UpstreamAmbiguous):
-    """The upstream answered, so it may have acted, but with a status that is not a final
-    HTTP answer (outside 200-599): passing it on or storing it would break every replay."""
+    """The upstream answered, so it may have acted, but not with an answer the gateway can
+    pass on whole: a status that is not a final HTTP answer (outside 200-599), or a body in a
+    transfer coding other than chunked. Passing it on or storing it would break every replay."""
 
     slug = "upstream-invalid-response"
-    title = "Upstream answered with an invalid status"
+    title = "Upstream answered with an invalid response"
 
 
 def is_final_status(status: object) -> bool:

@@ -2,6 +2,7 @@
 
     proxy port:  AccessLogMiddleware (request id, log line, metrics)
                    -> RouteRequests (canonical target and its route, once)
+                   -> BulkheadMiddleware (route tier and upstream slots, or a 503 at once)
                    -> IdempotencyMiddleware -> ProxyApp -> upstreams
     admin port:  the admin FastAPI app (health, readiness, metrics, operator API)
 
@@ -19,18 +20,20 @@ import os
 from pathlib import Path
 
 from pydantic import SecretStr
+from redis.asyncio import RedisCluster
 
 from idempotency_gateway.asgi import Receive, Scope, Send
 from idempotency_gateway.clock import utc_now
 from idempotency_gateway.config import (
     CacheConfig,
-    EnvSettings,
     GatewayConfig,
+    environment_settings,
     load_config,
     validate_config,
 )
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
+from idempotency_gateway.idempotency.cluster_wakeups import ClusterWakeups
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
 from idempotency_gateway.idempotency.redis_cache import RedisCache
@@ -47,8 +50,11 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.resilience.breaker import BreakerState
-from idempotency_gateway.routing import RouteRequests
+from idempotency_gateway.resilience.bulkhead import publish_every
+from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
+from idempotency_gateway.routing import RouteRequests, check_routes
 from idempotency_gateway.server.heap import settle_after_startup
+from idempotency_gateway.telemetry.loop_lag import LoopLagMonitor
 from idempotency_gateway.telemetry.metrics import (
     BREAKER_STATE,
     BREAKER_STATE_VALUES,
@@ -77,7 +83,13 @@ def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCach
     publisher = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
     subscriber = connect_redis(redis_url, timeout=None, connect_timeout=config.timeout)
     cache = RedisCache(publisher, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
-    return cache, RedisWakeups(subscriber=subscriber, publisher=publisher, timeout=config.timeout)
+    if isinstance(subscriber, RedisCluster) and isinstance(publisher, RedisCluster):
+        wakeups: Wakeups = ClusterWakeups(
+            subscriber=subscriber, publisher=publisher, timeout=config.timeout
+        )
+    else:
+        wakeups = RedisWakeups(subscriber=subscriber, publisher=publisher, timeout=config.timeout)
+    return cache, wakeups
 
 
 def _record_breaker_transition(upstream: str, old: BreakerState, new: BreakerState) -> None:
@@ -91,9 +103,10 @@ class Gateway:
     lifespan (store, upstream clients, wake-ups and background loops start and stop here).
 
     ``create_gateway`` is this class. Requests on ``admin_port`` go to the admin app, every
-    other request to ``AccessLogMiddleware -> RouteRequests -> IdempotencyMiddleware ->
-    ProxyApp``. Shutdown waits up to ``DRAIN_TIMEOUT`` for executions in flight to record
-    their outcome before it closes anything.
+    other request to ``AccessLogMiddleware -> RouteRequests -> BulkheadMiddleware ->
+    IdempotencyMiddleware -> ProxyApp`` (no ``BulkheadMiddleware`` when the config has no
+    bulkhead). Shutdown waits up to ``DRAIN_TIMEOUT`` for executions in flight to record their
+    outcome before it closes anything.
 
     Arguments:
         config: the validated config file (``load_config``/``validate_config``).
@@ -122,6 +135,7 @@ class Gateway:
     ) -> None:
         """``settle_heap``: once started, freeze the heap out of the garbage collector's way
         (``server.heap``); for a process that serves this gateway alone, as ``serve`` does."""
+        check_routes(config.routes, source="config")
         self.config = config
         self.settle_heap = settle_heap
         self.drain = drain or DrainState()
@@ -142,10 +156,11 @@ class Gateway:
         self.invalidations = (
             None
             if self.cache.shared_across_workers
-            else CacheInvalidations(self.store.engine, self.cache, clock=utc_now)
+            else CacheInvalidations(self.store.engine, self.cache)
         )
         self.sweeper = Sweeper(self.store, config.sweeper)
         self.stuck_records = StuckRecordsSampler(self.store.count_stuck)
+        self.loop_lag = LoopLagMonitor()
         self.idempotency = IdempotencyMiddleware(
             ProxyApp(config, self.upstreams),
             store=self.store,
@@ -159,7 +174,22 @@ class Gateway:
             store_unavailable=config.store_unavailable,
             finalize_attempts=config.store.finalize_attempts,
         )
-        self.app = AccessLogMiddleware(RouteRequests(self.idempotency, config.routes))
+        bulkheads = route_bulkheads(
+            config.routes,
+            config.bulkheads,
+            {name: upstream.bulkhead for name, upstream in self.upstreams.items()},
+        )
+        # Each once, for the sampler of their gauges.
+        self.bulkheads = list(dict.fromkeys(b for chain in bulkheads.values() for b in chain))
+        self.app = AccessLogMiddleware(
+            RouteRequests(
+                BulkheadMiddleware(self.idempotency, bulkheads=bulkheads)
+                if bulkheads
+                # Nothing to bound: the layer would only cost a lookup per request.
+                else self.idempotency,
+                config.routes,
+            )
+        )
         self.admin = create_admin_app(
             AdminContext(
                 store=self.store,
@@ -196,10 +226,13 @@ class Gateway:
         for name in self.upstreams:
             BREAKER_STATE.labels(name).set(BREAKER_STATE_VALUES[BreakerState.CLOSED.value])
         await self.wakeups.start()
+        self.loop_lag.start()
         self._background.append(asyncio.create_task(self.overrides.run()))
         if self.invalidations is not None:
             self._background.append(asyncio.create_task(self.invalidations.run()))
         self._background.append(asyncio.create_task(self.stuck_records.run()))
+        if self.bulkheads:
+            self._background.append(asyncio.create_task(publish_every(self.bulkheads)))
         if self.config.sweeper.interval > 0:
             self._background.append(asyncio.create_task(self.sweeper.run()))
 
@@ -210,6 +243,7 @@ class Gateway:
             _, still_running = await asyncio.wait(pending, timeout=DRAIN_TIMEOUT)
             if still_running:
                 log.error("%d executions still running at shutdown", len(still_running))
+        self.loop_lag.stop()
         for task in self._background:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -246,7 +280,7 @@ create_gateway = Gateway
 
 def gateway_from_environment() -> Gateway:
     """Factory for ``uvicorn --factory`` and for each ``serve --workers N`` process."""
-    settings = EnvSettings()
+    settings = environment_settings()
     resolved = os.environ.get(RESOLVED_CONFIG_ENV)
     if resolved is not None:
         config = GatewayConfig.model_validate_json(resolved)

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
+from sqlalchemy.exc import DBAPIError
 
 from idempotency_gateway.idempotency.store import RecordStore, normalize_database_url
+
+# Processes that start together (workers of one server) may race on SQLite's schema; a few
+# short pauses let the one that got there first finish.
+_MIGRATION_ATTEMPTS = 5
+_MIGRATION_RETRY_PAUSE = 0.2
 
 
 def migrations_directory() -> Path:
@@ -31,8 +39,35 @@ def alembic_config(database_url: str) -> Config:
 
 
 def upgrade_to_head(database_url: str) -> None:
-    """Blocking: the migration env runs its own event loop."""
-    command.upgrade(alembic_config(database_url), "head")
+    """Bring the schema to the head revision. Blocking.
+
+    Callable anywhere an app module runs, the import of a module that uvicorn (``--workers``,
+    ``--reload``) or gunicorn loads included: the migration env runs an event loop of its own,
+    which cannot start inside the server's running one, so there it runs on a thread. Several
+    processes may call it at once: on PostgreSQL they take turns on an advisory lock (see
+    ``migrations/env.py``); on SQLite a process that lost the race finds the schema at head.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        _upgrade_racing_others(database_url)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="migrate") as thread:
+        thread.submit(_upgrade_racing_others, database_url).result()
+
+
+def _upgrade_racing_others(database_url: str) -> None:
+    config = alembic_config(database_url)
+    for attempt in range(1, _MIGRATION_ATTEMPTS + 1):
+        try:
+            command.upgrade(config, "head")
+            return
+        except DBAPIError:
+            # Another process ran the same step between our read of the revision and our
+            # write; once it has finished, our next look finds the schema at head.
+            if attempt == _MIGRATION_ATTEMPTS:
+                raise
+            time.sleep(_MIGRATION_RETRY_PAUSE * attempt)
 
 
 async def upgrade_to_head_async(database_url: str) -> None:

@@ -12,6 +12,13 @@ private Redis, so stopping a dependency never disturbs the servers other tests s
 PostgreSQL is a throwaway cluster made with ``initdb`` in a temporary directory, run with
 ``pg_ctl`` on a free loopback port and stopped with ``-m immediate`` (a crash, not a polite
 shutdown). As root the PostgreSQL programs run as the ``postgres`` user (they refuse root).
+``ReplicatedPostgres`` adds a hot standby made with ``pg_basebackup -R`` that streams from the
+primary through a ``TcpProxy`` (so a test can stall the link), synchronously or not, and the
+gateways reach the pair through one multi-host URL:
+
+    async with ReplicatedPostgres(synchronous=True) as postgres:   # postgres.url lists both
+        await postgres.kill()                  # SIGKILL the primary's whole process group
+        await postgres.standby.promote()       # the standby accepts writes
 Redis is a ``redis-server`` child process on a free port without persistence, killed with
 SIGKILL and started again on the same port. Everything listens on 127.0.0.1 only.
 """
@@ -22,20 +29,27 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+import asyncpg
 import redis.asyncio
 
 from tests.support import GatewayProcess, eventually, free_port, write_config
 from tests.support.lifecycle import StartedInContext
 from tests.support.servers import LOOPBACK, PROJECT_ROOT
+from tests.support.tcp_proxy import TcpProxy
 
 POSTGRES_ROOT = Path("/usr/lib/postgresql")
 DATABASE = "idempotency_gateway"
+STANDBY_NAME = "standby"
+"""The standby's ``cluster_name``, which its WAL receiver reports as ``application_name``:
+the name ``synchronous_standby_names`` lists."""
 ADMIN_TOKEN = "fault-suite-admin-token"
 LEASE = 1.0
 """Seconds: short, so takeovers after a crash or a stall happen within the run."""
@@ -75,11 +89,13 @@ async def run_command(*argv: str, env: dict[str, str] | None = None, timeout: fl
 class PrivatePostgres:
     """A PostgreSQL cluster that belongs to this test run alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, settings: Mapping[str, str] | None = None) -> None:
         bin_dir = postgres_bin_dir()
         if bin_dir is None:
             raise RuntimeError(f"no PostgreSQL server binaries under {POSTGRES_ROOT}")
         self.bin_dir = bin_dir
+        self.settings = dict(settings or {})
+        """Extra ``-c name=value`` server settings."""
         self.port = free_port()
         # Not under pytest's tmp_path: that is private to root, and the server runs as postgres.
         self.base = Path(tempfile.mkdtemp(prefix="gateway-faults-pg-"))
@@ -130,6 +146,7 @@ class PrivatePostgres:
             f"-p {self.port} -k {self.base} -c listen_addresses={LOOPBACK} "
             # A test database: durability against power loss buys nothing here.
             "-c fsync=off -c full_page_writes=off -c max_connections=200"
+            + "".join(f" -c {name}={value}" for name, value in self.settings.items())
         )
         log = self.base / "postgres.log"
         await run_command(
@@ -146,6 +163,45 @@ class PrivatePostgres:
         )
         self.running = False
         self.restarts += 1
+
+    async def kill(self) -> None:
+        """SIGKILL the postmaster and every backend at once (``pg_ctl`` makes the postmaster
+        a process group leader): no shutdown of any kind, as when its machine dies."""
+        # postmaster.pid: the PID on line 1, "<key> <id>" of its shared memory on line 7.
+        lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
+        pid, shared_memory = int(lines[0]), lines[6].split()[-1]
+        os.killpg(pid, signal.SIGKILL)
+        self.running = False
+        self.restarts += 1
+
+        def gone() -> bool:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                return True
+            return state == "Z"  # a zombie holds no port; whoever reaps it is not our concern
+
+        await eventually(gone, timeout=10.0, message=f"postmaster {pid} died")
+        # Nobody left to remove the segment: a killed postmaster's outlives it.
+        await run_command("ipcrm", "-m", shared_memory)
+
+    async def clone_as_standby(self, source_port: int) -> None:
+        """``pg_basebackup -R`` from the server on ``source_port`` into this data directory (a
+        standby streaming from that port, set up by ``-R``), then start it."""
+        if os.geteuid() == 0:
+            shutil.chown(self.base, user="postgres", group="postgres")
+        await run_command(
+            *self._as_postgres(
+                "pg_basebackup",
+                *("-h", LOOPBACK, "-p", str(source_port), "-U", "postgres"),
+                *("-D", str(self.data_dir), "-R", "-X", "stream", "--checkpoint=fast", "--no-sync"),
+            )
+        )
+        await self.start()
+
+    async def promote(self) -> None:
+        """``pg_ctl promote``: the standby ends recovery and accepts writes."""
+        await run_command(*self._as_postgres("pg_ctl", "-D", str(self.data_dir), "-w", "promote"))
 
     async def destroy(self) -> None:
         if self.running:
@@ -168,6 +224,76 @@ class PrivatePostgres:
         tb: TracebackType | None,
     ) -> None:
         await self.destroy()
+
+
+class ReplicatedPostgres(PrivatePostgres):
+    """A private primary (this object: ``stop``, ``start`` and ``kill`` act on it) with one
+    hot standby streaming from it through ``link``. ``url`` and ``dsn`` list both servers
+    with ``target_session_attrs=read-write``: they reach whichever accepts writes, before and
+    after a failover.
+
+    ``synchronous``: the primary waits for the standby to confirm each commit
+    (``synchronous_commit = on``, ``synchronous_standby_names``); otherwise it streams WAL
+    asynchronously, PostgreSQL's default.
+    """
+
+    def __init__(self, *, synchronous: bool) -> None:
+        super().__init__()
+        if not (self.bin_dir / "pg_basebackup").exists():
+            raise RuntimeError(f"no pg_basebackup beside initdb in {self.bin_dir}")
+        self.synchronous = synchronous
+        self.standby = PrivatePostgres(settings={"cluster_name": STANDBY_NAME})
+        self.link = TcpProxy(LOOPBACK, self.port)
+
+    def _hosts(self) -> str:
+        return f"{LOOPBACK}:{self.port},{LOOPBACK}:{self.standby.port}"
+
+    @property
+    def url(self) -> str:
+        return (
+            f"postgresql+asyncpg://postgres@{self._hosts()}/{DATABASE}"
+            "?target_session_attrs=read-write"
+        )
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@{self._hosts()}/{DATABASE}?target_session_attrs=read-write"
+
+    @property
+    def primary_dsn(self) -> str:
+        """This primary alone, whatever the standby is now."""
+        return f"postgresql://postgres@{LOOPBACK}:{self.port}/{DATABASE}"
+
+    async def create(self) -> None:
+        await super().create()
+        await self.link.start()
+        await self.standby.clone_as_standby(self.link.port)
+        primary = await asyncpg.connect(self.primary_dsn)
+        try:
+            if self.synchronous:
+                await primary.execute(
+                    f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'"
+                )
+                await primary.execute("ALTER SYSTEM SET synchronous_commit = 'on'")
+                await primary.execute("SELECT pg_reload_conf()")
+            wanted = "sync" if self.synchronous else "async"
+
+            async def streaming() -> bool:
+                state: str | None = await primary.fetchval(
+                    "SELECT sync_state FROM pg_stat_replication "
+                    "WHERE application_name = $1 AND state = 'streaming'",
+                    STANDBY_NAME,
+                )
+                return state == wanted
+
+            await eventually(streaming, timeout=20.0, message=f"the standby streams ({wanted})")
+        finally:
+            await primary.close()
+
+    async def destroy(self) -> None:
+        await self.link.close()
+        await self.standby.destroy()
+        await super().destroy()
 
 
 class PrivateRedis(StartedInContext):
@@ -227,7 +353,7 @@ class PrivateRedis(StartedInContext):
         await self.kill()
 
 
-def cluster_config(upstream_url: str) -> dict[str, Any]:
+def cluster_config(upstream_url: str, *, statement_timeout: str = "1s") -> dict[str, Any]:
     """Two keyed routes (``on_ambiguous: fail`` and ``retry``) with a short lease, short
     upstream timeouts and a breaker that recovers within a second, so every fault resolves
     within a run."""
@@ -266,7 +392,7 @@ def cluster_config(upstream_url: str) -> dict[str, Any]:
         "store": {
             "pool_size": 8,
             "connect_timeout": "1s",
-            "statement_timeout": "1s",
+            "statement_timeout": statement_timeout,
             "finalize_attempts": 3,
         },
         "sweeper": {"interval": "0s"},
@@ -290,10 +416,15 @@ class Cluster:
         size: int = 3,
         log_format: str = "json",
         env: dict[str, str] | None = None,
+        statement_timeout: str = "1s",
     ) -> None:
         self.workdir = workdir
         self.size = size
-        self.config_path = write_config(workdir, cluster_config(upstream_url), "cluster.yaml")
+        self.config_path = write_config(
+            workdir,
+            cluster_config(upstream_url, statement_timeout=statement_timeout),
+            "cluster.yaml",
+        )
         self.env = {
             "GATEWAY_DATABASE_URL": database_url,
             "GATEWAY_REDIS_URL": redis_url,
@@ -313,6 +444,9 @@ class Cluster:
             extra_args=["--log-format", self.log_format, "--log-level", "warning"],
             log_dir=self.workdir,
             name=f"gateway-{self._started}",
+            # A deadline, not a wait: a loaded machine takes seconds to import the gateway
+            # twice (supervisor, then worker), and several start at once.
+            startup_timeout=60.0,
         )
         self.all_gateways.append(gateway)
         return gateway

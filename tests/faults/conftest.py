@@ -1,6 +1,7 @@
 """Collects the fault runs' reports and prints their summary at the end of the session (the
-default run, ``pytest -m faults`` or ``-m soak``): one line per run, then one table adding them
-all up. A failing run's own table is in its assertion message."""
+default run, ``pytest -m faults`` or ``-m soak``): one line per run (and what its faults
+measured), then one table adding them all up. A failing run's own table is in its assertion
+message."""
 
 from __future__ import annotations
 
@@ -27,4 +28,6 @@ def pytest_terminal_summary(
     for report in reports:
         verdict = "ok" if report.ok else f"{len(report.violations)} violations"
         terminalreporter.write_line(f"{report.title}: {verdict} ({report.seconds:.1f} s)")
+        for line in report.extra:  # what the faults measured (a failover's recovery time)
+            terminalreporter.write_line(line)
     terminalreporter.write_line(Report.merged("all fault runs together", reports).table())

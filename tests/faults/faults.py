@@ -10,13 +10,19 @@ polls with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from tests.faults.clients import FaultClient, Load
-from tests.faults.cluster import LEASE, Cluster, PrivatePostgres, PrivateRedis
+import asyncpg
+import httpx
+
+from tests.faults.clients import TENANTS, FaultClient, Load
+from tests.faults.cluster import LEASE, Cluster, PrivatePostgres, PrivateRedis, ReplicatedPostgres
 from tests.faults.upstream import FaultyUpstream
 from tests.support import GatewayProcess, eventually
 
@@ -27,6 +33,8 @@ REDIS_RESTART = "redis kill -9 and restart"
 UPSTREAM_HANG = "upstream hangs"
 UPSTREAM_RESET = "upstream resets after commit"
 UPSTREAM_5XX = "upstream answers 5xx"
+POSTGRES_FAILOVER = "postgresql primary kill -9, standby promoted"
+"""Not in ``KINDS``: it needs a ``ReplicatedPostgres`` (``tests/faults/test_failover.py``)."""
 
 KINDS = (
     GATEWAY_KILL,
@@ -51,6 +59,8 @@ class FaultInjector:
     rng: random.Random
     client_deadline: float = 30.0
     injected: Counter[str] = field(default_factory=Counter)
+    measured: dict[str, float] = field(default_factory=dict)
+    """What an injector measured (seconds, counts), for the report."""
 
     def injector(self, kind: str) -> Callable[[], Awaitable[None]]:
         return {
@@ -61,6 +71,7 @@ class FaultInjector:
             UPSTREAM_HANG: lambda: self.upstream_misbehaves(UPSTREAM_HANG, "hang"),
             UPSTREAM_RESET: lambda: self.upstream_misbehaves(UPSTREAM_RESET, "reset"),
             UPSTREAM_5XX: self.upstream_answers_5xx,
+            POSTGRES_FAILOVER: self.fail_over_postgres,
         }[kind]
 
     async def inject(self, kind: str) -> None:
@@ -126,6 +137,70 @@ class FaultInjector:
             await asyncio.sleep(down_for)  # the outage itself
         finally:
             await self.postgres.start()
+
+    async def fail_over_postgres(self, lag_for: float = 2.0) -> None:
+        """The standby falls behind, the primary dies with SIGKILL, the standby is promoted.
+
+        The replication link is cut first, for ``lag_for`` seconds or until the primary holds
+        a finished record the standby cannot have, whichever comes first: asynchronous
+        replication acknowledges such commits, synchronous replication makes them wait for
+        the standby (they die unacknowledged with the primary). Measured: how long the
+        promotion took, and when each gateway executed a new key again after the kill.
+        """
+        postgres = self.postgres
+        if not isinstance(postgres, ReplicatedPostgres):
+            raise TypeError(f"{POSTGRES_FAILOVER} needs a ReplicatedPostgres")
+        primary = await asyncpg.connect(postgres.primary_dsn)
+        try:
+            await postgres.link.cut()
+            # Whatever a statement that starts after this wrote cannot be on the standby.
+            cut_at = await primary.fetchval("SELECT now()")
+
+            async def finished_on_primary_alone() -> int:
+                return int(
+                    await primary.fetchval(
+                        "SELECT count(*) FROM idempotency_records "
+                        "WHERE status <> 'IN_PROGRESS' AND updated_at > $1",
+                        cut_at,
+                    )
+                )
+
+            with contextlib.suppress(AssertionError):
+                await eventually(finished_on_primary_alone, timeout=lag_for, interval=0.01)
+            self.measured[
+                "records finished on the primary alone"
+            ] = await finished_on_primary_alone()
+        finally:
+            await primary.close()
+        killed = time.monotonic()
+        await postgres.kill()
+        self.injected[POSTGRES_FAILOVER] += 1
+        await postgres.standby.promote()
+        self.measured["promotion took (s)"] = time.monotonic() - killed
+        recovered = await asyncio.gather(
+            *(self._first_new_key(gateway, since=killed) for gateway in self.cluster.gateways)
+        )
+        self.measured["gateways execute new keys again after the kill (s)"] = max(recovered)
+
+    async def _first_new_key(self, gateway: GatewayProcess, *, since: float) -> float:
+        """Seconds from ``since`` until ``gateway`` executed a new key (polled)."""
+        key = f"probe-{uuid.uuid4().hex}"
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=5.0, trust_env=False) as http:
+
+            async def executed() -> float | None:
+                try:
+                    answer = await http.post(
+                        "/v1/charges",
+                        json={"amount": 1, "currency": "usd", "reference": key},
+                        headers={"Authorization": TENANTS[0], "Idempotency-Key": key},
+                    )
+                except httpx.TransportError:
+                    return None
+                return time.monotonic() - since if answer.status_code == 201 else None
+
+            return await eventually(
+                executed, timeout=30.0, interval=0.02, message=f"{gateway.name} recovers"
+            )
 
     async def restart_redis(self, down_for: float = 1.0) -> None:
         await self.redis_server.kill()

@@ -24,8 +24,8 @@ from pathlib import Path
 import asyncpg
 
 from tests.faults.checker import Report, check, gateway_log_errors, read_records
-from tests.faults.clients import Load, make_clients
-from tests.faults.cluster import LEASE, Cluster, PrivatePostgres, PrivateRedis
+from tests.faults.clients import FaultClient, Load, make_clients
+from tests.faults.cluster import LEASE, Cluster, PrivatePostgres, PrivateRedis, ReplicatedPostgres
 from tests.faults.faults import FaultInjector
 from tests.faults.upstream import FaultyUpstream
 from tests.support import eventually
@@ -36,15 +36,28 @@ class FaultEnvironment:
     cluster: Cluster
     upstream: FaultyUpstream
     postgres: PrivatePostgres
+    """A ``ReplicatedPostgres`` when the environment has a standby."""
     redis_server: PrivateRedis
 
 
 @contextlib.asynccontextmanager
-async def fault_environment(workdir: Path, *, gateways: int = 3) -> AsyncIterator[FaultEnvironment]:
+async def fault_environment(
+    workdir: Path,
+    *,
+    gateways: int = 3,
+    synchronous_standby: bool | None = None,
+    statement_timeout: str = "1s",
+) -> AsyncIterator[FaultEnvironment]:
     """A private PostgreSQL and Redis, the faulty upstream and ``gateways`` gateway processes;
-    everything stopped (gateways first, while their store is still up) on the way out."""
+    everything stopped (gateways first, while their store is still up) on the way out.
+    ``synchronous_standby`` (``True`` or ``False``) gives the PostgreSQL a streaming standby,
+    synchronous or not, and the gateways a URL listing both."""
     async with (
-        PrivatePostgres() as postgres,
+        (
+            PrivatePostgres()
+            if synchronous_standby is None
+            else ReplicatedPostgres(synchronous=synchronous_standby)
+        ) as postgres,
         PrivateRedis() as redis_server,
         FaultyUpstream() as upstream,
     ):
@@ -54,6 +67,7 @@ async def fault_environment(workdir: Path, *, gateways: int = 3) -> AsyncIterato
             database_url=postgres.url,
             redis_url=redis_server.url,
             size=gateways,
+            statement_timeout=statement_timeout,
         )
         try:
             await cluster.start()
@@ -78,6 +92,9 @@ class Plan:
     """Seconds one operation may take, retries included, before its client gives up."""
     settle: float = LEASE * 3 + 5.0
     seed: int = 0
+    replay_answered: bool = False
+    """After the run, empty the replay cache and send every operation that got a final answer
+    once more (``replay_answered``): the answers must come back from the records unchanged."""
 
 
 async def _in_progress(dsn: str, keys: list[str]) -> int:
@@ -174,6 +191,11 @@ async def run_scenario(environment: FaultEnvironment, plan: Plan) -> Report:
     operations = [operation for operation in operations if operation.key in sent]
     keys = [operation.key for operation in operations]
     await _settle(environment, keys, plan.settle)
+    replays: FaultClient | None = None
+    if plan.replay_answered:
+        replays = await replay_answered(environment, clients, load, plan)
+        clients.append(replays)
+        await _settle(environment, keys, plan.settle)
     records = await read_records(environment.postgres.dsn, keys)
     log_text = "\n".join(
         gateway.log_text()[log_marks.get(gateway.name, 0) :] for gateway in cluster.all_gateways
@@ -188,5 +210,40 @@ async def run_scenario(environment: FaultEnvironment, plan: Plan) -> Report:
         faults=injector.injected,
         gateway_errors=gateway_log_errors(log_text),
     )
+    if replays is not None:
+        report.counts["replays after the run (cache emptied)"] = len(replays.sends)
+        report.counts["  answered as replays"] = sum(
+            1 for send in replays.sends if send.final is not None and send.final.replayed
+        )
+    if injector.measured:
+        report.extra.append("measured")
+        report.extra += [f"  {name:<34} {value:.3g}" for name, value in injector.measured.items()]
     report.seconds = time.monotonic() - started
     return report
+
+
+async def replay_answered(
+    environment: FaultEnvironment, clients: Sequence[FaultClient], load: Load, plan: Plan
+) -> FaultClient:
+    """Restart the private Redis (the replay cache forgets everything), then send every
+    operation some client got a final answer for once more, from a fresh client: each answer
+    must now come from the record, and the checker holds it to every earlier final answer."""
+    await environment.redis_server.kill()
+    await environment.redis_server.start()
+    answered = {
+        send.operation.key: send.operation
+        for client in clients
+        for send in client.sends
+        if send.final is not None
+    }
+    replays = FaultClient("replays-after-the-run", list(answered.values()))
+    cluster = environment.cluster
+    await replays.run(
+        lambda: cluster.gateways,
+        load,
+        deadline=plan.deadline,
+        resend_chance=0.0,
+        rng=random.Random(plan.seed),
+        finish_all=True,
+    )
+    return replays

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 
@@ -67,3 +68,18 @@ def state_of(breaker: CircuitBreaker) -> BreakerState:
     """The state read afresh: it moves with the clock and with probes between two asserts,
     which a plain ``breaker.state`` comparison would let mypy narrow away."""
     return breaker.state
+
+
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def skewed_clock_env(skew: timedelta) -> dict[str, str]:
+    """Environment for a gateway process whose host's wall clock is off by ``skew`` (ahead
+    when positive), under libfaketime, which ``scripts/test`` installs. Only the wall clock is
+    skewed: timers, timeouts and the monotonic clock keep running at the real pace."""
+    assert LIBFAKETIME.exists(), "libfaketime is missing: run scripts/test, which installs it"
+    return {
+        "LD_PRELOAD": str(LIBFAKETIME),
+        "FAKETIME": f"{int(skew.total_seconds()):+d}s",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }

@@ -34,7 +34,12 @@ CLI_SERVER_OPTIONS: dict[str, Any] = {"proxy_headers": False, "server_header": F
 
 
 def route(
-    prefix: str, *, name: str | None = None, upstream: str = PRIMARY, **idempotency: Any
+    prefix: str,
+    *,
+    name: str | None = None,
+    upstream: str = PRIMARY,
+    bulkhead: str | None = None,
+    **idempotency: Any,
 ) -> dict[str, Any]:
     """One ``routes`` entry; keyword arguments are its ``idempotency`` settings."""
     entry: dict[str, Any] = {
@@ -42,6 +47,8 @@ def route(
         "match": {"path_prefix": prefix},
         "upstream": upstream,
     }
+    if bulkhead is not None:
+        entry["bulkhead"] = bulkhead
     if idempotency:
         entry["idempotency"] = idempotency
     return entry

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +48,14 @@ async def until_closed(reader: asyncio.StreamReader) -> None:
 
 
 class RawUpstream(StartedInContext):
-    def __init__(self, answer: Answer, *, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, answer: Answer, *, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None
+    ) -> None:
+        """``tls``: serve https with this server context (its certificate, and whether it
+        asks for the client's)."""
         self._answer = answer
         self._host = host
+        self._tls = tls
         self.requests: list[Received] = []
         self.opened = 0
         """Connections accepted."""
@@ -69,10 +75,11 @@ class RawUpstream(StartedInContext):
 
     @property
     def url(self) -> str:
-        return f"http://{self._host}:{self.port}"
+        scheme = "https" if self._tls is not None else "http"
+        return f"{scheme}://{self._host}:{self.port}"
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self._host, 0)
+        self._server = await asyncio.start_server(self._serve, self._host, 0, ssl=self._tls)
         self._port = int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:

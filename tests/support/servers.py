@@ -141,7 +141,9 @@ class GatewayProcess(StartedInContext):
         port: int | None = None,
         host: str = LOOPBACK,
         name: str = "gateway",
-        startup_timeout: float = 20.0,
+        # Generous: a loaded machine (CI, a test run beside others) can take tens of seconds
+        # to import and start a worker; a gateway that starts sooner costs nothing extra.
+        startup_timeout: float = 60.0,
         command: Sequence[str] | None = None,
         cwd: Path | str | None = None,
     ) -> None:

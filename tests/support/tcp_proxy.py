@@ -5,10 +5,14 @@
         await proxy.cut()                          # every connection dies, new ones are reset
         await eventually(lambda: proxy.rejected >= 1)
         await proxy.restore()                      # forwarding again
+        proxy.pause()                              # bytes stop both ways, nothing closes
+        proxy.resume()                             # the held bytes flow on
 
 It runs in the test's event loop on ``127.0.0.1:<ephemeral>``. While cut it still accepts, but
 resets each new connection at once (SO_LINGER 0) without contacting the target, and counts
 it in ``rejected``: the client sees the dependency refuse, the test sees that it tried.
+While paused, every open and new connection stays open but no byte crosses it (a partition:
+packets stop, nothing closes); ``held`` counts the reads waiting to be passed on.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ class TcpProxy(StartedInContext):
         self._server: asyncio.Server | None = None
         self._port: int | None = None
         self._cut = False
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self.held = 0
+        """Reads waiting for ``resume`` to be passed on."""
         self._links: set[asyncio.Future[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -82,7 +90,15 @@ class TcpProxy(StartedInContext):
         """Forward new connections again."""
         self._cut = False
 
+    def pause(self) -> None:
+        """Stop passing bytes on, both ways, without closing anything, until ``resume``."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
     async def close(self) -> None:
+        self.resume()
         server, self._server = self._server, None
         if server is not None:
             server.close()
@@ -124,8 +140,8 @@ class TcpProxy(StartedInContext):
             for end in (writer, target_writer):
                 end.close()
 
-    @staticmethod
     async def _pipe(
+        self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         other: asyncio.StreamWriter,
@@ -133,6 +149,10 @@ class TcpProxy(StartedInContext):
         """Copy ``reader`` to ``writer``; when either side fails, reset both."""
         try:
             while data := await reader.read(_CHUNK):
+                if not self._flowing.is_set():
+                    self.held += 1
+                    await self._flowing.wait()
+                    self.held -= 1
                 writer.write(data)
                 await writer.drain()
             if writer.can_write_eof():

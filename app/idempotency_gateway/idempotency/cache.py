@@ -2,8 +2,14 @@
 
 Only finished, replayable records (``SUCCEEDED``, ``FAILED_FINAL``) are cached: their answer
 never changes until the record expires or an operator deletes it, so a cached copy cannot go
-stale while it lives. Every entry carries the full record key, the request hash and its expiry,
-and is checked on the way out: a corrupt, foreign or expired entry is a miss, never an answer.
+stale while it lives. Every entry carries the full record key and the request hash, and is
+checked on the way out: a corrupt, foreign or expired entry is a miss, never an answer.
+
+One clock: no host's wall clock judges an entry's expiry. A record's remaining life is what
+the database says it is (its ``expires_at`` minus the database's "now" of the statement that
+handed the record over), counted down on this process's monotonic clock from the moment that
+statement was sent, so an entry dies no later than its record whatever a host's clock says.
+Redis gets that remaining life as a relative TTL (``PX``) and judges it on its own clock.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Protocol
 
 import orjson
 
-from idempotency_gateway.clock import Clock, Monotonic, monotonic, utc_now
+from idempotency_gateway.clock import Monotonic, lease_clock
 from idempotency_gateway.config import CacheConfig
 from idempotency_gateway.idempotency.record import (
     REPLAYABLE,
@@ -34,7 +40,9 @@ cache_lookups = Children(CACHE_LOOKUPS)
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+# 2: no expiry inside the entry (Redis's TTL alone ends it). An entry of another format is a
+# miss, so gateways of both formats on one Redis only cost each other cache hits.
+_FORMAT = 2
 # How long an invalidated key refuses new entries: a replay that read the record just before
 # the operator changed it must not put the old answer back. Far longer than a store read.
 INVALIDATION_GUARD = 5.0
@@ -46,10 +54,11 @@ class CachedAnswer:
     request_hash: str
     status: Status
     response: StoredResponse
-    expires_at: float  # epoch seconds
+    # This process's lease clock (``clock.lease_clock``), never a wall clock.
+    expires_at: float
 
     @classmethod
-    def of(cls, record: Record) -> CachedAnswer | None:
+    def of(cls, record: Record, *, now: datetime, asked_at: float) -> CachedAnswer | None:
         if record.status not in REPLAYABLE or record.response is None:
             return None
         return cls(
@@ -57,11 +66,19 @@ class CachedAnswer:
             record.request_hash,
             record.status,
             record.response,
-            record.expires_at.timestamp(),
+            expiry_of(record, now=now, asked_at=asked_at),
         )
 
-    def is_live(self, now: datetime) -> bool:
-        return self.expires_at > now.timestamp()
+    def is_live(self, now: float) -> bool:
+        return self.expires_at > now
+
+
+def expiry_of(record: Record, *, now: datetime, asked_at: float) -> float:
+    """When ``record`` expires, on this process's monotonic clock. ``now``: the database's
+    clock in the statement that handed the record over; ``asked_at``: the monotonic clock when
+    that statement was sent, no later than the database's ``now``, so the result is never
+    later than the record's expiry."""
+    return asked_at + (record.expires_at - now).total_seconds()
 
 
 def cache_key(key: RecordKey, *, prefix: str = "idgw:r:") -> str:
@@ -85,14 +102,14 @@ def encode(answer: CachedAnswer) -> bytes:
             "rs": answer.response.status,
             "rh": answer.response.headers,
             "o": answer.response.body_omitted,
-            "e": answer.expires_at,
         }
     )
     return meta + b"\n" + answer.response.body
 
 
-def decode(raw: bytes, expected: RecordKey) -> CachedAnswer | None:
-    """The entry, or ``None`` when it is not a well-formed entry for exactly this key."""
+def decode(raw: bytes, expected: RecordKey, *, expires_at: float) -> CachedAnswer | None:
+    """The entry, or ``None`` when it is not a well-formed entry for exactly this key.
+    ``expires_at``: what the reader knows of its life (Redis's TTL had it live when read)."""
     meta_bytes, separator, body = raw.partition(b"\n")
     if not separator:
         return None
@@ -109,7 +126,7 @@ def decode(raw: bytes, expected: RecordKey) -> CachedAnswer | None:
             body=body,
             body_omitted=bool(meta["o"]),
         )
-        return CachedAnswer(expected, str(meta["h"]), status, response, float(meta["e"]))
+        return CachedAnswer(expected, str(meta["h"]), status, response, expires_at)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
 
@@ -158,14 +175,12 @@ class InProcessCache:
         *,
         max_entries: int,
         max_bytes: int,
-        clock: Clock = utc_now,
-        monotonic: Monotonic = monotonic,
+        monotonic: Monotonic = lease_clock,
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._entries: OrderedDict[RecordKey, CachedAnswer] = OrderedDict()
         self._bytes = 0
-        self._clock = clock
         self._monotonic = monotonic
         # Key -> until when puts of it are refused (see INVALIDATION_GUARD).
         self._guarded: dict[RecordKey, float] = {}
@@ -183,7 +198,7 @@ class InProcessCache:
 
     async def get(self, key: RecordKey) -> CachedAnswer | None:
         answer = self._entries.get(key)
-        if answer is not None and not answer.is_live(self._clock()):
+        if answer is not None and not answer.is_live(self._monotonic()):
             self._remove(key)
             answer = None
         if answer is None:

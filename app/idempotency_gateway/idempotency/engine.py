@@ -15,17 +15,19 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from idempotency_gateway.asgi import ASGIApp, Headers, Scope, Send, replay_receive
+from idempotency_gateway.clock import lease_clock
 from idempotency_gateway.config import IdempotencyConfig, OnAmbiguous
 from idempotency_gateway.errors import (
     GatewayError,
     KeyReusedWithDifferentRequest,
+    LeaseNotConfirmed,
     OutcomeUnknown,
     RequestInFlight,
     StoreReadOnly,
     StoreUnavailable,
 )
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
-from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache
+from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache, expiry_of
 from idempotency_gateway.idempotency.machine import Action, classify, decide
 from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
@@ -132,20 +134,23 @@ class IdempotencyEngine:
         claim = Claim(request.fingerprint, new_owner_id(), config.lease, config.ttl)
         waited: Headers = []
         for _ in range(_MAX_DECISIONS):
+            # Read before each statement that may grant a lease: the lease is trusted from
+            # the moment the grant was sent (``lease.Lease``).
+            sent_at = lease_clock()
             try:
                 reservation = await self.store.reserve(request.key, claim)
             except StoreUnavailable as error:
                 self._orphaned(request, claim, error)
                 raise
             if reservation.reserved:
-                await self._execute(request, reservation.record)
+                await self._execute(request, reservation.record, sent_at)
                 return
             record = reservation.record
             action = decide(record, request_hash=request.fingerprint, now=reservation.now)
             if action is Action.REPLAY:
                 assert record.response is not None
                 note_outcome(request.scope, RequestOutcome.REPLAYED)
-                answer = CachedAnswer.of(record)
+                answer = CachedAnswer.of(record, now=reservation.now, asked_at=sent_at)
                 if answer is not None:
                     await self.cache.put(answer)
                 await send_stored(request.send, record.response, replayed=True, extra=waited)
@@ -166,6 +171,7 @@ class IdempotencyEngine:
                     "retry with the same key to get its answer",
                     retry_after=IN_FLIGHT_RETRY_AFTER,
                 )
+            sent_at = lease_clock()
             try:
                 taken = await self.store.take_over(record, claim)
             except StoreUnavailable as error:
@@ -178,9 +184,9 @@ class IdempotencyEngine:
                 continue  # somebody else changed the record first: look again
             TAKEOVERS.labels(_takeover_reason(action, record, reservation.now)).inc()
             if action is Action.ABANDONED and config.on_ambiguous is OnAmbiguous.FAIL:
-                await self._settle_abandoned(request, taken)
+                await self._settle_abandoned(request, taken, sent_at)
                 return
-            await self._execute(request, taken)
+            await self._execute(request, taken, sent_at)
             return
         note_outcome(request.scope, RequestOutcome.CONFLICT_IN_FLIGHT)
         raise RequestInFlight(
@@ -195,7 +201,9 @@ class IdempotencyEngine:
         if self.orphans is not None and not isinstance(error, StoreReadOnly):
             self.orphans.add(request.key, claim.owner_id, ttl=claim.ttl)
 
-    async def _settle_abandoned(self, request: KeyedRequest, record: Record) -> None:
+    async def _settle_abandoned(
+        self, request: KeyedRequest, record: Record, sent_at: float
+    ) -> None:
         """An owner died mid-flight: record that the outcome is unknown, never execute twice."""
         note_outcome(request.scope, RequestOutcome.OUTCOME_UNKNOWN)
         log.warning(
@@ -209,7 +217,7 @@ class IdempotencyEngine:
                 "after checking the resource's state."
             ),
         )
-        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
+        run = self._owner_run(request, record, sent_at)
         recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
         if recorded:
             await send_stored(request.send, answer, replayed=False)
@@ -219,31 +227,42 @@ class IdempotencyEngine:
         # Waiters re-read the store whatever happened; waking them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
 
-    async def _execute(self, request: KeyedRequest, record: Record) -> None:
+    async def _execute(self, request: KeyedRequest, record: Record, sent_at: float) -> None:
         note_outcome(request.scope, RequestOutcome.EXECUTED)
-        task = asyncio.create_task(self._run_owner(request, record))
+        task = asyncio.create_task(
+            self._run_owner(request, self._owner_run(request, record, sent_at))
+        )
         self.executions.add(task)
         task.add_done_callback(self.executions.discard)
         # shield: a disconnecting client cancels this await, never the execution itself.
         await asyncio.shield(task)
 
-    async def _run_owner(self, request: KeyedRequest, record: Record) -> None:
-        execution = Execution(record.key.idempotency_key, record.fencing_token)
+    def _owner_run(self, request: KeyedRequest, record: Record, sent_at: float) -> OwnerRun:
+        config = request.config
+        return OwnerRun(self.store, record, lease=config.lease, ttl=config.ttl, sent_at=sent_at)
+
+    async def _run_owner(self, request: KeyedRequest, run: OwnerRun) -> None:
+        record = run.record
+        execution = Execution(record.key.idempotency_key, record.fencing_token, run.lease)
         inner_scope = dict(request.scope)
         inner_scope["headers"] = [
             *(pair for pair in request.scope["headers"] if pair[0] != FENCING_TOKEN_HEADER),
             (FENCING_TOKEN_HEADER, str(record.fencing_token).encode()),
         ]
         inner_scope["state"] = {**request.scope.get("state", {}), STATE_KEY: execution}
-        run = OwnerRun(self.store, record, lease=request.config.lease, ttl=request.config.ttl)
         capture = ResponseCapture(
             request.send,
             max_stored_body=request.config.max_stored_body,
             error_format=request.config.error_format,
         )
+        failure: GatewayError = OutcomeUnknown("the app failed")
         async with run.heartbeat():
             try:
                 await self.app(inner_scope, replay_receive(request.body), capture.send)
+            except LeaseNotConfirmed as refusal:
+                # A library app that stopped before its side effect, as it should: the
+                # execution has already reported whether anything had left.
+                failure = refusal
             except Exception:
                 log.exception("the app failed while executing an idempotent request")
                 execution.report(Outcome.AMBIGUOUS)
@@ -256,7 +275,7 @@ class IdempotencyEngine:
         replayed = False
         if recorded:
             # An app that raised before answering: the client gets what every retry will see.
-            instead = answer or request.problem(OutcomeUnknown("the app failed"))
+            instead = answer or request.problem(failure)
         else:
             # Fenced off, or the store is down: this answer is not the key's answer of record
             # (a newer owner's may be, or an "outcome unknown" later), so the client must not
@@ -327,7 +346,10 @@ class IdempotencyEngine:
                     request.fingerprint,
                     status,
                     answer,
-                    run.record.expires_at.timestamp(),
+                    # The statement that granted the record stamped it with the database's
+                    # "now" (``updated_at``). A record that outlived its TTL gets a new one at
+                    # the finalize; its answer then lives on in the store, not in the cache.
+                    expiry_of(run.record, now=run.record.updated_at, asked_at=run.sent_at),
                 )
             )
         return recorded, published

@@ -1,30 +1,45 @@
 """The request fingerprint (``request_hash``) that tells a retry from a different request.
 
 SHA-256 over method, canonical path bytes, the query ordered by name, content type, chosen
-extra headers and the body. JSON bodies are canonicalized first, so key order and whitespace
-do not turn a faithful retry into a 422; the canonical form is lossless, so two different
-requests never share a fingerprint:
+extra headers and the body. A JSON body up to the route's ``max_canonical_body`` is
+canonicalized first, so key order and whitespace do not turn a faithful retry into a 422;
+the canonical form is lossless, so two different requests never share a fingerprint:
 
 - numbers are compared by exact decimal value (``20`` and ``19.999999999999999`` differ,
   integers of any size keep every digit); ``1``, ``1.0`` and ``1e0`` are the same value;
-- a body with a duplicate object key, a number the decimal type cannot hold, a number
-  literal over ``MAX_NUMBER_LITERAL`` characters, ``NaN``, a string that cannot be
-  re-encoded, a body not in UTF-8 (or led by a byte order mark), under a
-  ``Content-Encoding`` or under two content types, or anything that does not parse is
-  hashed as bytes: still exact, only stricter (a changed byte is a different request).
+- a body with a duplicate object key, a number literal over ``MAX_NUMBER_LITERAL``
+  characters, ``NaN``, a string that cannot be re-encoded, nesting deeper than orjson writes
+  (255 levels), a body not in UTF-8 (or led by a byte order mark), under a
+  ``Content-Encoding`` or under two content types, or anything that does not parse is hashed
+  as bytes: still exact, only stricter (a changed byte is a different request).
+
+A larger body is hashed as bytes whatever its type: the canonical form costs CPU and memory
+in proportion to the number of values (a Python object each), the hash only a pass over the
+bytes. The route's limit therefore bounds what one request's canonical form can cost, and
+``fingerprint`` moves any body over ``OFFLOAD_ABOVE`` bytes off the event loop, so a worker
+keeps serving its other requests while a large body is hashed.
 """
 
 from __future__ import annotations
 
-import decimal
+import asyncio
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
 import orjson
 
 from idempotency_gateway.asgi import Headers, header_values
+from idempotency_gateway.config import DEFAULT_MAX_CANONICAL_BODY
+
+# Bodies larger than this are fingerprinted in a worker thread, where hashing releases the
+# GIL and a canonical form yields it every switch interval (5 ms): the loop stays live.
+# Smaller ones stay on the loop: their canonical form costs at most about 2 ms on the
+# benchmark machine (an eighth of the 64 KiB body's in benchmarks/RESULTS.md), and most
+# bodies are far smaller, where the hop to a thread and back would cost more than the work.
+OFFLOAD_ABOVE = 8 * 1024
 
 
 class _NotCanonical(Exception):
@@ -44,56 +59,46 @@ def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return members
 
 
-# Longer number literals are compared as bytes: exact all the same, and converting a
-# megabyte-long literal to a decimal would cost a second of CPU per request.
-# (4300 is Python's own default cap on int digits.)
+# Longer number literals are compared as bytes: exact all the same, and a megabyte-long
+# literal is no amount anyone means. (4300 is Python's own default cap on int digits.)
 MAX_NUMBER_LITERAL = 4300
 
 
-def _exact_number(literal: str) -> decimal.Decimal:
+def _exact_integer(literal: str) -> orjson.Fragment:
+    """An integer as ``[-]digitsEexponent`` with no trailing zeros (or ``0``): what
+    ``_exact_number`` writes, in fewer steps, since most numbers in a body are integers."""
     if len(literal) > MAX_NUMBER_LITERAL:
         raise _NotCanonical
-    return decimal.Decimal(literal)
+    significant = literal.rstrip("0")
+    if significant in ("", "-"):
+        return _ZERO
+    return orjson.Fragment(f"{significant}E{len(literal) - len(significant)}")
+
+
+def _exact_number(literal: str) -> orjson.Fragment:
+    """The exact value as ``[-]digitsEexponent`` with no trailing zeros (or ``0``): no
+    rounding, so equal strings mean equal values and nothing else.
+
+    Worked out on the literal's text, which the JSON grammar has already checked, so no
+    ``Decimal`` is built per number; the result is a ``Fragment`` orjson writes as is."""
+    if len(literal) > MAX_NUMBER_LITERAL:
+        raise _NotCanonical
+    sign = "-" if literal.startswith("-") else ""
+    mantissa, _, exponent_text = literal.lstrip("-").replace("E", "e").partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = (whole + fraction).lstrip("0")
+    significant = digits.rstrip("0")
+    if not significant:
+        return _ZERO  # -0, 0.0 and 0e5 are all zero
+    exponent = int(exponent_text or 0) - len(fraction) + len(digits) - len(significant)
+    return orjson.Fragment(f"{sign}{significant}E{exponent}")
+
+
+_ZERO = orjson.Fragment(b"0")
 
 
 def _refuse_constant(name: str) -> Any:
     raise _NotCanonical  # NaN, Infinity: not JSON, and no exact value
-
-
-def _canonical_number(value: decimal.Decimal) -> bytes:
-    """The exact value as ``[-]digitsEexponent`` with no trailing zeros: no rounding, so
-    equal strings mean equal values and nothing else."""
-    sign, digits, exponent = value.as_tuple()
-    if not isinstance(exponent, int):
-        raise _NotCanonical
-    # One pass over the digits: a body may hold a number with millions of trailing zeros,
-    # and dropping them one at a time would cost time quadratic in its length.
-    text = "".join(map(str, digits))
-    significant = text.rstrip("0")
-    if not significant:
-        return b"0"
-    exponent += len(text) - len(significant)
-    return (b"-" if sign else b"") + significant.encode() + b"E%d" % exponent
-
-
-def _canonical(value: Any, out: list[bytes]) -> None:
-    if isinstance(value, dict):
-        out.append(b"{")
-        for index, name in enumerate(sorted(value)):
-            out.append(b"," if index else b"")
-            out.append(orjson.dumps(name) + b":")
-            _canonical(value[name], out)
-        out.append(b"}")
-    elif isinstance(value, list):
-        out.append(b"[")
-        for index, item in enumerate(value):
-            out.append(b"," if index else b"")
-            _canonical(item, out)
-        out.append(b"]")
-    elif isinstance(value, decimal.Decimal):
-        out.append(_canonical_number(value))
-    else:  # str, True, False, None: orjson writes each one way only
-        out.append(orjson.dumps(value))
 
 
 def canonical_json(content_type: bytes, body: bytes) -> bytes | None:
@@ -106,21 +111,20 @@ def canonical_json(content_type: bytes, body: bytes) -> bytes | None:
         parsed = json.loads(
             body.decode("utf-8"),
             parse_float=_exact_number,
-            parse_int=_exact_number,
+            parse_int=_exact_integer,
             parse_constant=_refuse_constant,
             object_pairs_hook=_unique_members,
         )
-        out: list[bytes] = []
-        _canonical(parsed, out)
+        # Members ordered by name (code point order, as UTF-8 bytes order them), no
+        # whitespace, each string written one way only: the walk and the writing run in C.
+        return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS)
     except (
         _NotCanonical,
-        ValueError,  # not JSON, not UTF-8 (UnicodeDecodeError), a BOM
-        decimal.InvalidOperation,  # an exponent beyond what Decimal holds
-        orjson.JSONEncodeError,  # a lone surrogate in a string
+        ValueError,  # not JSON, not UTF-8 (UnicodeDecodeError), a BOM, an exponent too long
+        orjson.JSONEncodeError,  # a lone surrogate in a string, nesting past 255 levels
         RecursionError,
     ):
         return None
-    return b"".join(out)
 
 
 def _query_fields(query_string: bytes) -> list[tuple[bytes, bytes | None]]:
@@ -164,6 +168,7 @@ def request_hash(
     headers: Headers,
     body: bytes,
     extra_headers: tuple[bytes, ...] = (),
+    max_canonical_body: int = DEFAULT_MAX_CANONICAL_BODY,
 ) -> str:
     digest = hashlib.sha256()
     _field(digest, method.encode())
@@ -189,8 +194,18 @@ def request_hash(
         _field(digest, name + b":" + str(len(values)).encode())
         for value in values:
             _field(digest, value)
-    canonical = canonical_json(content_type, body) if plain else None
+    canonical = (
+        canonical_json(content_type, body) if plain and len(body) <= max_canonical_body else None
+    )
     # Tagged, so a canonical form never equals a body compared as bytes.
     _field(digest, b"bytes" if canonical is None else b"json")
     _field(digest, body if canonical is None else canonical)
     return digest.hexdigest()
+
+
+async def fingerprint(compute: Callable[[], str], *, body_size: int) -> str:
+    """``compute`` (a ``request_hash`` of a request whose body has ``body_size`` bytes), in a
+    worker thread when the body is over ``OFFLOAD_ABOVE`` bytes."""
+    if body_size <= OFFLOAD_ABOVE:
+        return compute()
+    return await asyncio.to_thread(compute)

@@ -1,10 +1,13 @@
 """The record state machine: what an existing record means for an incoming request, and
 which final state an execution's outcome leads to.
 
-    ABSENT              --reserve-->                 IN_PROGRESS (token 1)
-    expired, not live   --take over (token 1)-->     IN_PROGRESS (a new life, a new TTL)
-    IN_PROGRESS, lease over --take over (token+1)--> IN_PROGRESS
-    FAILED_RETRYABLE    --take over (token+1)-->     IN_PROGRESS
+    ABSENT              --reserve-->                 IN_PROGRESS
+    expired, not live   --take over-->               IN_PROGRESS (a new life, a new TTL)
+    IN_PROGRESS, lease over --take over-->           IN_PROGRESS
+    FAILED_RETRYABLE    --take over-->               IN_PROGRESS
+
+Every reserve and take-over draws the database's next fencing token: each new owner of a key
+holds a larger one than any before it.
     IN_PROGRESS         --finalize (owner, token)--> SUCCEEDED | FAILED_FINAL | FAILED_RETRYABLE
 
 An ``IN_PROGRESS`` record whose lease is live is in flight even past its TTL: its owner is

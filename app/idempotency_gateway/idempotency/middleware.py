@@ -9,6 +9,7 @@ This module turns an ASGI request into a ``KeyedRequest``; ``engine`` decides it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from idempotency_gateway.asgi import (
@@ -43,7 +44,7 @@ from idempotency_gateway.errors import (
 )
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedRequest
-from idempotency_gateway.idempotency.fingerprint import request_hash
+from idempotency_gateway.idempotency.fingerprint import fingerprint, request_hash
 from idempotency_gateway.idempotency.keys import (
     ANONYMOUS_SCOPE,
     parse_idempotency_key,
@@ -221,13 +222,18 @@ class IdempotencyMiddleware:
             send=send,
             policy=policy,
             key=RecordKey(client_scope, operation, key),
-            fingerprint=request_hash(
-                method=scope["method"],
-                path=target.path,
-                query_string=target.query,
-                headers=headers,
-                body=body,
-                extra_headers=policy.fingerprint_headers,
+            fingerprint=await fingerprint(
+                functools.partial(
+                    request_hash,
+                    method=scope["method"],
+                    path=target.path,
+                    query_string=target.query,
+                    headers=headers,
+                    body=body,
+                    extra_headers=policy.fingerprint_headers,
+                    max_canonical_body=policy.config.max_canonical_body,
+                ),
+                body_size=len(body),
             ),
             wait=min(requested_wait(headers) or 0, policy.config.wait_max),
         )

@@ -8,10 +8,10 @@ import itertools
 import logging
 import os
 import secrets
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
-from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.errors import LeaseNotConfirmed, StoreUnavailable
+from idempotency_gateway.idempotency.lease import Lease
 from idempotency_gateway.idempotency.record import Fence, Record, Status, StoredResponse
 from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.resilience.backoff import full_jitter
@@ -47,27 +47,19 @@ new_owner_id = _OwnerIds().next
 
 
 class OwnerRun:
-    """An owner's run on ``record``, begun just after its lease was granted. ``lease_ends``
-    (on ``monotonic``) is when the lease runs out unless renewed; a successful renewal moves
-    it to ``lease`` seconds after the renewal was sent."""
+    """``sent_at``: the lease clock's reading taken before the statement that granted the
+    lease (reserve or take-over) was sent; the lease is trusted from there (``Lease``)."""
 
     def __init__(
-        self,
-        store: RecordStore,
-        record: Record,
-        *,
-        lease: float,
-        ttl: float,
-        monotonic: Callable[[], float] = time.monotonic,
+        self, store: RecordStore, record: Record, *, lease: float, ttl: float, sent_at: float
     ) -> None:
         self.store = store
         self.record = record
-        self.lease = lease
         self.ttl = ttl
         self.fence = Fence(record.owner_id, record.fencing_token)
+        self.sent_at = sent_at
+        self.lease = Lease(store, record.key, self.fence, length=lease, sent_at=sent_at)
         self.fenced = False
-        self._monotonic = monotonic
-        self.lease_ends = monotonic() + lease
         # The record as the store last showed it after a finalize that matched no row: what
         # a fenced-off owner's client gets instead (``None``: the record is gone).
         self.of_record: Record | None = None
@@ -103,7 +95,7 @@ class OwnerRun:
             except StoreUnavailable:
                 pause = full_jitter(attempt, base=_FINALIZE_BACKOFF_BASE, cap=_FINALIZE_BACKOFF_CAP)
                 attempt += 1
-                if attempt >= attempts and self._monotonic() + pause >= self.lease_ends:
+                if attempt >= attempts and pause >= self.lease.remaining():
                     log.error(
                         "finalize failed: store unavailable until the lease ran out; the "
                         "record stays IN_PROGRESS until another owner takes it over",
@@ -145,7 +137,7 @@ class _Heartbeat:
 
     def __init__(self, run: OwnerRun) -> None:
         self._run = run
-        self._interval = run.lease / 3
+        self._interval = run.lease.length / 3
         self._loop = asyncio.get_running_loop()
         self._renewal: asyncio.Task[None] | None = None
         self._stopped = False
@@ -156,17 +148,18 @@ class _Heartbeat:
 
     async def _renew(self) -> None:
         run = self._run
-        sent = run._monotonic()
         try:
-            renewed = await run.store.renew_lease(run.record.key, run.fence, lease=run.lease)
-            if renewed:
-                run.lease_ends = sent + run.lease
-        except StoreUnavailable:
-            log.warning("lease renewal failed: store unavailable; will try again")
-            renewed = True
-        if not renewed:
-            run._note_fenced("lease renewal")
-            return
+            await run.lease.renew()
+        except LeaseNotConfirmed as refusal:
+            if refusal.fenced:
+                run._note_fenced("lease renewal")
+                return
+            # Not renewed, so no longer trusted: the execution sends nothing more until a
+            # confirmation succeeds, and this timer keeps trying.
+            log.warning(
+                "lease renewal failed (%s); the execution sends nothing more until one succeeds",
+                type(refusal.__cause__).__name__,
+            )
         if not self._stopped:
             self._timer = self._loop.call_later(self._interval, self._due)
 

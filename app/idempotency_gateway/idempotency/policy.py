@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
-from idempotency_gateway.config import IdempotencyConfig, KeyPolicy, RouteConfig
-from idempotency_gateway.routing import PrefixRouter, path_without_parameters
+from idempotency_gateway.config import IdempotencyConfig, KeyPolicy, RouteConfig, RouteMatch
+from idempotency_gateway.routing import PrefixRouter, spelled
 from idempotency_gateway.target import RequestTarget
+
+EVERY_PATH: Final = RouteMatch(path_prefix="/")
 
 
 @dataclass(frozen=True, slots=True)
 class RoutePolicy:
     name: str
     config: IdempotencyConfig
+    match: RouteMatch = EVERY_PATH
+    """How the route's paths are spelled; the operation is named in that one spelling."""
     fingerprint_headers: tuple[bytes, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -25,10 +30,11 @@ class RoutePolicy:
 
     def operation(self, method: str, target: RequestTarget) -> str:
         # The canonical path is ASCII (other octets stay percent-encoded): two different
-        # paths never become one operation. Without its ";parameters", as routes match it:
-        # a retry whose ";jsessionid=" changed names the resource a servlet upstream already
-        # ran, so it is the same record and a 422 (the fingerprint keeps the parameters).
-        return self.config.operation or f"{method} {path_without_parameters(target.path_text)}"
+        # paths never become one operation. In the spelling routes match it in (without
+        # ";parameters", case-folded, format suffix left out as the route says): a key sent
+        # again as /V1/Charges or /v1/charges.json names the handler the upstream already
+        # ran, so it is the same record and a 422 (the fingerprint keeps the path as sent).
+        return self.config.operation or f"{method} {spelled(target.path_text, self.match)}"
 
 
 class RoutePolicies:
@@ -36,7 +42,9 @@ class RoutePolicies:
 
     def __init__(self, routes: Iterable[RouteConfig]) -> None:
         # Keyed by the route itself (frozen, so hashed by value): names need not be unique.
-        self._by_route = {route: RoutePolicy(route.name, route.idempotency) for route in routes}
+        self._by_route = {
+            route: RoutePolicy(route.name, route.idempotency, route.match) for route in routes
+        }
 
     def __call__(self, target: RequestTarget) -> RoutePolicy | None:
         return None if target.route is None else self._by_route[target.route]
@@ -59,7 +67,9 @@ def resolver_for(source: PolicySource) -> PolicyResolver:
         return lambda _target: everywhere
     if isinstance(source, Mapping):
         router = PrefixRouter(
-            (prefix, RoutePolicy(prefix, config)) for prefix, config in source.items()
+            (match, RoutePolicy(prefix, config, match))
+            for prefix, config in source.items()
+            for match in (RouteMatch(path_prefix=prefix),)
         )
         return lambda target: router.match(target.path_text)
     path_resolver = source

@@ -8,14 +8,22 @@ store's tests do that (``RecordStore(clock=...)``), to move time by hand.
 
 The fence is spelled out in every owner write: ``owner_id = $n AND fencing_token = $m`` on a
 row still ``IN_PROGRESS``. A take-over never touches a row whose lease is live.
+
+Every new owner's fencing token is drawn from the database's one sequence
+(``FENCING_TOKEN_SOURCE``), so it is larger than any token the key had before, in this life or
+an earlier one (a key created again after expiry, sweep or an admin delete). A reserve that
+finds the key taken still draws one: sequences may skip values, never repeat them.
 """
 
 from __future__ import annotations
+
+from idempotency_gateway.idempotency.schema import FENCING_TOKEN_SOURCE
 
 _CLOCK = "clock AS (SELECT coalesce($1::timestamptz, now()) AS now)"
 _KEY = "r.scope = $2 AND r.operation = $3 AND r.idempotency_key = $4"
 _FENCE = "r.status = 'IN_PROGRESS' AND r.owner_id = $5 AND r.fencing_token = $6"
 _NOT_LIVE = "NOT (r.status = 'IN_PROGRESS' AND r.lease_expires_at > clock.now)"
+_NEXT_TOKEN = f"nextval('{FENCING_TOKEN_SOURCE}')"
 
 # $5 request_hash, $6 owner_id, $7 lease seconds, $8 ttl seconds. One round trip: our new
 # row, or the row that holds the key, with the database's "now" to judge it by.
@@ -26,7 +34,7 @@ inserted AS (
         scope, operation, idempotency_key, request_hash, status, owner_id, fencing_token,
         lease_expires_at, attempts, body_compressed, body_omitted,
         created_at, updated_at, expires_at)
-    SELECT $2, $3, $4, $5, 'IN_PROGRESS', $6, 1,
+    SELECT $2, $3, $4, $5, 'IN_PROGRESS', $6, {_NEXT_TOKEN},
         clock.now + make_interval(secs => $7), 1, false, false,
         clock.now, clock.now, clock.now + make_interval(secs => $8)
     FROM clock
@@ -53,8 +61,9 @@ WHERE r.scope = $1 AND r.operation = $2 AND r.idempotency_key = $3
 """
 
 # $5 seen status, $6 seen owner, $7 seen token: the compare-and-set; $8 request_hash,
-# $9 new owner, $10 lease seconds, $11 ttl seconds. An expired row starts a new life (token
-# 1, new TTL); otherwise the history stays and the token goes up, fencing the old owner off.
+# $9 new owner, $10 lease seconds, $11 ttl seconds. An expired row starts a new life (new
+# TTL, attempts from 1); otherwise the history stays. Either way the new owner's token is
+# the sequence's next, fencing the old owner off.
 TAKE_OVER = f"""
 WITH {_CLOCK}
 UPDATE idempotency_records r SET
@@ -62,7 +71,7 @@ UPDATE idempotency_records r SET
     lease_expires_at = clock.now + make_interval(secs => $10),
     response_status = NULL, response_headers = NULL, response_body = NULL,
     body_compressed = false, body_omitted = false, updated_at = clock.now,
-    fencing_token = CASE WHEN r.expires_at <= clock.now THEN 1 ELSE r.fencing_token + 1 END,
+    fencing_token = {_NEXT_TOKEN},
     attempts = CASE WHEN r.expires_at <= clock.now THEN 1 ELSE r.attempts + 1 END,
     created_at = CASE WHEN r.expires_at <= clock.now THEN clock.now ELSE r.created_at END,
     expires_at = CASE WHEN r.expires_at <= clock.now

@@ -105,6 +105,22 @@ class PostgresRecordStore(RecordStore):
                 connection = await pool.acquire()
             try:
                 yield connection
+            except asyncpg.ReadOnlySQLTransactionError:
+                # The server became a standby (a failover moved the primary): every pooled
+                # connection is on the wrong host. New ones follow the host list to the server
+                # that accepts writes (``target_session_attrs=read-write``).
+                await pool.expire_connections()
+                raise
+            except Exception:
+                # The hot statements do not fail in normal operation (a conflict is ON CONFLICT
+                # DO NOTHING, a lost compare-and-set is zero rows). A failure is a timeout (the
+                # host may be gone without a reset ever arriving), a lost connection, a server
+                # shutting down, or asyncpg's protocol left mid-message (seen in a failover).
+                # The pool would lend the connection out as it is (``_keep_session`` runs no
+                # reset query that would notice), so the next statement would hang or fail on
+                # it: never reuse it.
+                connection.terminate()
+                raise
             finally:
                 await pool.release(connection)
 

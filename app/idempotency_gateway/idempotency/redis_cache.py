@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from redis.asyncio import Redis, RedisCluster
 
-from idempotency_gateway.clock import Clock, utc_now
+from idempotency_gateway.clock import Monotonic, lease_clock
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
 from idempotency_gateway.idempotency.cache import (
@@ -84,7 +84,7 @@ class RedisCache:
         *,
         timeout: float,
         max_entry_bytes: int,
-        clock: Clock = utc_now,
+        monotonic: Monotonic = lease_clock,
         breaker: CircuitBreaker | None = None,
     ) -> None:
         self.redis = redis
@@ -92,7 +92,7 @@ class RedisCache:
         self.max_entry_bytes = max_entry_bytes
         self.breaker = breaker or CircuitBreaker("redis-cache", CACHE_BREAKER)
         self.degradation = DegradationLog("Redis cache", fallback="serving from the durable store")
-        self._clock = clock
+        self._monotonic = monotonic
         # A single node is asked past redis-py's per-call layers; a cluster needs its routing.
         self._direct = DirectCommands(redis) if isinstance(redis, Redis) else None
 
@@ -134,10 +134,11 @@ class RedisCache:
         if raw is FAILED:
             cache_lookups("error").inc()
             return None
-        answer = decode(raw, key) if isinstance(raw, bytes) else None
+        # Redis's own TTL had the entry live when it answered, and it is served at once.
+        answer = decode(raw, key, expires_at=self._monotonic()) if isinstance(raw, bytes) else None
         if raw is not None and answer is None:
             self.degradation.failed(ValueError("unreadable cache entry, ignored"))
-        if answer is None or not answer.is_live(self._clock()):
+        if answer is None:
             cache_lookups("miss").inc()
             return None
         cache_lookups("hit").inc()
@@ -145,8 +146,9 @@ class RedisCache:
 
     async def put(self, answer: CachedAnswer) -> bool:
         """Store the answer and wake the key's waiters elsewhere, in one round trip."""
-        # Never outlive the record: the entry dies when the record expires.
-        ttl_ms = int((answer.expires_at - self._clock().timestamp()) * 1000)
+        # Never outlive the record: a TTL of its remaining life, which Redis counts down on
+        # its own clock (no host's wall clock is asked).
+        ttl_ms = int((answer.expires_at - self._monotonic()) * 1000)
         if ttl_ms <= 0 or len(answer.response.body) > self.max_entry_bytes:
             return False
         value = encode(answer)

@@ -4,9 +4,16 @@ Each ``Redis.execute_command`` goes through a retry wrapper, an event dispatcher
 observability recorder and the pool's health check on every call: on a replay that was more
 client CPU than the gateway's own work (``benchmarks/redis_clients.py``: a GET costs about
 50 us that way and about 21 us on a bare connection). The replay cache asks a single node
-for one GET or one pipelined SET + PUBLISH per request, so it sends them on connections of
-the client's own pool class and settings (auth, TLS, database, RESP version and timeouts all
-apply, redis-py connects them) and keeps the idle ones itself.
+for one GET or one pipelined SET + PUBLISH per request, so it sends them on connections taken
+from the client's own pool (auth, TLS, database, RESP version and timeouts all apply, redis-py
+connects them) and keeps the idle ones itself.
+
+Bounded like the pool itself: a connection is taken with the pool's own accounting, so every
+one this path holds, busy or idle, counts against the pool's ``max_connections`` (100 unless
+the URL says ``?max_connections=N``); at the limit a command fails at once (a cache miss)
+instead of opening one more. At most ``max_idle`` stay idle, none for longer than
+``idle_timeout``: a burst leaves no crowd of sockets behind, and Redis's ``maxclients`` is
+not spent on connections nobody uses.
 
 A connection goes back to the idle list only after every reply of its commands was read.
 Any failure or cancellation closes it, so a reply can never be read as the answer to a later
@@ -18,25 +25,43 @@ A Redis Cluster keeps the full client, which routes by slot.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.typing import EncodableT
 
 Command = Sequence[EncodableT]
 
+MAX_IDLE = 8
+IDLE_TIMEOUT = 30.0
+
 
 class DirectCommands:
-    def __init__(self, redis: Redis) -> None:
-        self._pool = redis.connection_pool
-        self._idle: list[AbstractConnection] = []
+    def __init__(
+        self, redis: Redis, *, max_idle: int = MAX_IDLE, idle_timeout: float = IDLE_TIMEOUT
+    ) -> None:
+        self._pool: ConnectionPool = redis.connection_pool
+        self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        # (connection, loop time it went idle), oldest first: taken from the end (the
+        # warmest), expired from the front.
+        self._idle: list[tuple[AbstractConnection, float]] = []
+        self._reaper: asyncio.TimerHandle | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
 
     async def run(self, *commands: Command) -> list[Any]:
         """The replies to ``commands``, sent together in one write: one round trip."""
-        connection = self._idle.pop() if self._idle else self._new_connection()
+        # Synchronous, so no lock is needed: the pool's own count of connections in use
+        # (``MaxConnectionsError`` at its limit) covers the ones held here.
+        connection = self._idle.pop()[0] if self._idle else self._from_pool()
         try:
             packed = (
                 connection.pack_command(*commands[0])
@@ -51,19 +76,57 @@ class DirectCommands:
             # a later command a failure of its own, and a half-open breaker's probe the whole
             # probe. They go too; the next command connects afresh.
             idle, self._idle = self._idle, []
-            for dropped in (connection, *idle):
-                with contextlib.suppress(Exception):
-                    await dropped.disconnect(nowait=True)
+            self._discard([connection, *(dropped for dropped, _ in idle)])
             raise
-        self._idle.append(connection)
+        self._keep(connection)
         return replies
 
-    def _new_connection(self) -> AbstractConnection:
-        connection: AbstractConnection = self._pool.make_connection()  # type: ignore[no-untyped-call]
+    def _from_pool(self) -> AbstractConnection:
+        connection: AbstractConnection = self._pool.get_available_connection()  # type: ignore[no-untyped-call]
         return connection
 
-    async def close(self) -> None:
-        idle, self._idle = self._idle, []
-        for connection in idle:
+    def _keep(self, connection: AbstractConnection) -> None:
+        if len(self._idle) >= self.max_idle:
+            self._discard([connection])
+            return
+        loop = asyncio.get_running_loop()
+        self._idle.append((connection, loop.time()))
+        if self._reaper is None:
+            self._reaper = loop.call_later(self.idle_timeout, self._reap, loop)
+
+    def _reap(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._reaper = None
+        stale_before = loop.time() - self.idle_timeout
+        stale = 0
+        while stale < len(self._idle) and self._idle[stale][1] <= stale_before:
+            stale += 1
+        expired, self._idle = self._idle[:stale], self._idle[stale:]
+        if expired:
+            self._discard([connection for connection, _ in expired])
+        if self._idle:
+            # Due when the oldest one left runs out.
+            due = self._idle[0][1] + self.idle_timeout
+            self._reaper = loop.call_at(due, self._reap, loop)
+
+    def _discard(self, connections: list[AbstractConnection]) -> None:
+        # Closing needs a few awaits; the command that failed must not wait for them.
+        task = asyncio.get_running_loop().create_task(self._close(connections))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close(self, connections: list[AbstractConnection]) -> None:
+        for connection in connections:
             with contextlib.suppress(Exception):
-                await connection.disconnect()
+                await connection.disconnect(nowait=True)
+            # Back to the pool unconnected: it no longer counts as in use, and holds no socket.
+            with contextlib.suppress(Exception):
+                await self._pool.release(connection)
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        idle, self._idle = self._idle, []
+        await self._close([connection for connection, _ in idle])
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

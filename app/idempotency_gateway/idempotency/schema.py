@@ -6,6 +6,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    CheckConstraint,
     Column,
     DateTime,
     Index,
@@ -31,6 +32,11 @@ metadata = MetaData(
 # "METHOD path" by default: longer operations cannot be recorded (the middleware says 414).
 OPERATION_MAX_LENGTH = 512
 
+# Where fencing tokens come from, one source per database: the sequence of this name on
+# PostgreSQL, and on SQLite the one-row counter table below (bumped in the transaction that
+# writes the new owner).
+FENCING_TOKEN_SOURCE = "idempotency_fencing_tokens"
+
 records = Table(
     "idempotency_records",
     metadata,
@@ -40,7 +46,8 @@ records = Table(
     Column("request_hash", String(64), nullable=False),
     Column("status", String(16), nullable=False),
     Column("owner_id", String(32), nullable=False),
-    Column("fencing_token", Integer, nullable=False),
+    # Drawn from FENCING_TOKEN_SOURCE: larger for every new owner of a key, across its lives.
+    Column("fencing_token", BigInteger, nullable=False),
     Column("lease_expires_at", DateTime(timezone=True), nullable=False),
     Column("response_status", SmallInteger, nullable=True),
     Column("response_headers", JSON, nullable=True),
@@ -59,6 +66,15 @@ records = Table(
         postgresql_where=text("status = 'IN_PROGRESS'"),
         sqlite_where=text("status = 'IN_PROGRESS'"),
     ),
+)
+
+# SQLite only (PostgreSQL has the sequence of the same name): the last token handed out.
+fencing_token_counter = Table(
+    FENCING_TOKEN_SOURCE,
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("last_token", BigInteger, nullable=False),
+    CheckConstraint("id = 1", name="one_row"),
 )
 
 # Operator-forced circuit breaker states: every gateway process applies them within seconds.

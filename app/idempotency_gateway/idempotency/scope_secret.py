@@ -15,9 +15,9 @@ import secrets
 from pathlib import Path
 
 from pydantic import SecretStr
-from sqlalchemy.engine import make_url
 
 from idempotency_gateway.config import ConfigError
+from idempotency_gateway.database_url import sqlalchemy_url
 
 SCOPE_SECRET_ENV = "GATEWAY_SCOPE_SECRET"
 SECRET_FILE_SUFFIX = ".scope-secret"
@@ -31,7 +31,7 @@ def resolve_scope_secret(secret: SecretStr | None, database_url: str) -> bytes:
         if not value:
             raise ConfigError("environment", [f"{SCOPE_SECRET_ENV} is set but empty"])
         return value.encode()
-    url = make_url(database_url)
+    url = sqlalchemy_url(database_url)
     if url.get_backend_name() != "sqlite":
         raise ConfigError(
             "environment",

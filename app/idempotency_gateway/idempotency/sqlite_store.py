@@ -69,6 +69,24 @@ def _first(cursor: sqlite3.Cursor) -> sqlite3.Row | None:
     return rows[0] if rows else None
 
 
+def _with_new_token(
+    db: sqlite3.Connection, statement: str, values: dict[str, Any]
+) -> sqlite3.Row | None:
+    """Run an owner-granting ``statement`` with the counter's next fencing token, in one
+    transaction; when it writes nothing, the counter stays as it was too."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        counter = _first(db.execute(sql.NEXT_TOKEN))
+        if counter is None:
+            raise sqlite3.DatabaseError("the fencing token counter has no row: migrate")
+        row = _first(db.execute(statement, values | {"token": counter[0]}))
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT" if row is not None else "ROLLBACK")
+    return row
+
+
 class SqliteRecordStore(RecordStore):
     def __init__(self, engine: AsyncEngine, path: str, *, clock: Clock | None = None) -> None:
         super().__init__(engine, clock=clock)
@@ -119,7 +137,7 @@ class SqliteRecordStore(RecordStore):
         }
 
         def insert_or_read(db: sqlite3.Connection) -> tuple[sqlite3.Row | None, bool]:
-            inserted = _first(db.execute(sql.RESERVE, values))
+            inserted = _with_new_token(db, sql.RESERVE, values)
             if inserted is not None:
                 return inserted, True
             # The insert lost: a plain read sees the row that holds the key.
@@ -143,7 +161,7 @@ class SqliteRecordStore(RecordStore):
             "lease_expires_at": to_text(now + timedelta(seconds=claim.lease)),
             "expires_at": to_text(now + timedelta(seconds=claim.ttl)),
         }
-        row = await self._run("take_over", lambda db: _first(db.execute(sql.TAKE_OVER, values)))
+        row = await self._run("take_over", lambda db: _with_new_token(db, sql.TAKE_OVER, values))
         return _record(row) if row is not None else None
 
     async def renew_lease(self, key: RecordKey, fence: Fence, *, lease: float) -> bool:

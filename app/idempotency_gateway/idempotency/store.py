@@ -41,13 +41,16 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.functions import now as db_now
 
 from idempotency_gateway.clock import Clock, utc_now
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.database_url import asyncpg_dsn_of as asyncpg_dsn_of
+from idempotency_gateway.database_url import normalize_database_url as normalize_database_url
+from idempotency_gateway.database_url import sqlalchemy_url
 from idempotency_gateway.errors import StoreReadOnly, StoreUnavailable
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.schema import records
@@ -59,6 +62,9 @@ SWEEP_LOCK_ID = 0x1DE4_9A7E
 
 # Connections for the admin and sweep paths: a few at a time, never the request path's load.
 _ADMIN_POOL_SIZE = 2
+
+# "cannot execute ... in a read-only transaction": a hot standby refusing a write.
+READ_ONLY_SQLSTATE = "25006"
 
 # Bodies below this size are stored as they are: compressing them saves nothing worth a CPU.
 _COMPRESS_FROM = 1024
@@ -157,29 +163,11 @@ def _key_matches(key: RecordKey) -> ColumnElement[bool]:
     )
 
 
-def normalize_database_url(url: str) -> str:
-    """Accept the URLs operators write (``postgresql://``) and pick the async drivers."""
-    for plain, async_driver in (
-        ("postgresql://", "postgresql+asyncpg://"),
-        ("postgres://", "postgresql+asyncpg://"),
-        ("sqlite://", "sqlite+aiosqlite://"),
-    ):
-        if url.startswith(plain):
-            return async_driver + url[len(plain) :]
-    return url
-
-
-def asyncpg_dsn_of(url: str | URL) -> str:
-    """A PostgreSQL URL as asyncpg and libpq spell it (no ``+asyncpg`` driver suffix)."""
-    parsed = make_url(normalize_database_url(url) if isinstance(url, str) else url)
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
-    url = normalize_database_url(url)
-    if url.startswith("sqlite"):
+    parsed = sqlalchemy_url(url)
+    if parsed.get_backend_name() == "sqlite":
         engine = create_async_engine(
-            url,
+            parsed,
             isolation_level="AUTOCOMMIT",
             connect_args={"timeout": config.statement_timeout},
         )
@@ -194,16 +182,32 @@ def create_engine_for(url: str, config: StoreConfig) -> AsyncEngine:
         # its prepare() is unnamed, and SQLAlchemy must not keep prepared statements either (a
         # kept one would be bound on whichever server connection PgBouncer hands out next).
         connect_args |= {"statement_cache_size": 0, "prepared_statement_cache_size": 0}
-    return create_async_engine(
-        url,
+    engine = create_async_engine(
+        parsed,
         isolation_level="AUTOCOMMIT",
         # Only the admin, sweep and breaker-override paths use this pool on PostgreSQL; the
         # request path has an asyncpg pool of ``pool_size`` of its own.
         pool_size=_ADMIN_POOL_SIZE,
         max_overflow=0,
         pool_timeout=config.connect_timeout,
+        # A connection idle since a failover may point at a dead host: test it on checkout
+        # (the admin paths are rare, the round trip is cheap).
+        pool_pre_ping=True,
         connect_args=connect_args,
     )
+    _drop_on_read_only(engine)
+    return engine
+
+
+def _drop_on_read_only(engine: AsyncEngine) -> None:
+    """A write refused as read-only means the connection is on a server that is (now) a
+    standby: treat it like a lost connection, so SQLAlchemy drops every connection made
+    before it and the next checkout connects to the host that accepts writes."""
+
+    @event.listens_for(engine.sync_engine, "handle_error")
+    def _on_error(context: ExceptionContext) -> None:
+        if getattr(context.original_exception, "sqlstate", None) == READ_ONLY_SQLSTATE:
+            context.is_disconnect = True
 
 
 def _tune_sqlite(engine: AsyncEngine) -> None:
@@ -220,9 +224,9 @@ _DRIVER_ERRORS = (
     SQLAlchemyError,
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
-    # A connection the server ended while it sat idle in the pool (a failover, an operator's
-    # pg_terminate_backend) can refuse its next statement with this before it counts as
-    # closed.
+    # asyncpg's protocol in a state it did not expect: a connection the server ended while
+    # it sat idle in the pool (a failover, an operator's pg_terminate_backend), or one that
+    # broke mid-statement. A store error like any other, not a crash.
     asyncpg.InternalClientError,
     sqlite3.Error,
     OSError,
@@ -366,9 +370,9 @@ class RecordStore(ABC):
     @abstractmethod
     async def take_over(self, seen: Record, claim: Claim) -> Record | None:
         """Claim ``seen`` for a new execution, only if nobody changed it since it was read
-        and no owner holds a live lease on it. An expired record starts a new life (token
-        1, new TTL); a retryable or abandoned one keeps its history and bumps the fencing
-        token, so the old owner is fenced off."""
+        and no owner holds a live lease on it. An expired record starts a new life (new TTL,
+        attempts from 1); a retryable or abandoned one keeps its history. Either way the new
+        owner's token is the database's next, so the old owner is fenced off."""
 
     @abstractmethod
     async def renew_lease(self, key: RecordKey, fence: Fence, *, lease: float) -> bool:

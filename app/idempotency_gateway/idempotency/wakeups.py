@@ -5,10 +5,9 @@ the owner also publishes on Redis and every process that has waiters for that ke
 to its channel. A lost message costs only latency: after waking or timing out, the waiter
 reads the durable store, which alone decides.
 
-On a Redis Cluster the channels are sharded (SSUBSCRIBE/SPUBLISH): a key's channel lives on
-the node that owns its cache entry, so the owner's SET and SPUBLISH are one round trip to one
-node, and a wake-up is not broadcast over the cluster bus to every node as a classic PUBLISH
-would be.
+On a Redis Cluster the channels are sharded (SSUBSCRIBE/SPUBLISH), with one listener per
+primary (``cluster_wakeups``): a wake-up is not broadcast over the cluster bus to every node as
+a classic PUBLISH would be, and a dead primary delays only the wake-ups of its own keys.
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ import contextlib
 import logging
 from typing import Protocol
 
-from redis.asyncio import RedisCluster
 from redis.asyncio.client import PubSub
-from redis.asyncio.cluster import ClusterPubSub
 
 from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.redis_cache import (
@@ -36,9 +33,6 @@ log = logging.getLogger(__name__)
 # Subscribed for as long as the listener runs: redis-py needs one subscription to read at all.
 _KEEPALIVE_CHANNEL = WAKEUP_CHANNEL_PREFIX + "keepalive"
 _RECONNECT_PAUSE = 1.0
-# A cluster subscriber reads each node's connection in turn, waiting this long on each.
-# (It reads nothing at all while nothing is subscribed: see ``_listen_sharded``.)
-_SHARD_POLL = 0.05
 channel_for = wakeup_channel
 
 
@@ -111,7 +105,8 @@ class LocalWakeups:
 
 
 class RedisWakeups(LocalWakeups):
-    """Local wake-ups plus Redis pub/sub, subscribing only to keys this process waits for."""
+    """Local wake-ups plus Redis pub/sub on one node, subscribing only to keys this process
+    waits for."""
 
     def __init__(self, *, subscriber: RedisClient, publisher: RedisClient, timeout: float) -> None:
         super().__init__()
@@ -124,9 +119,6 @@ class RedisWakeups(LocalWakeups):
         )
         self._pubsub: PubSub | None = None
         self._listener: asyncio.Task[None] | None = None
-        # Set when a channel is subscribed: a cluster listener with nothing to read sleeps on
-        # it instead of polling (an idle gateway then costs no wake-ups at all).
-        self._subscribed = asyncio.Event()
 
     async def start(self) -> None:
         self._listener = asyncio.create_task(self._listen_forever())
@@ -135,12 +127,7 @@ class RedisWakeups(LocalWakeups):
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                if isinstance(pubsub, ClusterPubSub):
-                    assert isinstance(self.redis, RedisCluster)
-                    await self.redis.initialize()  # the slot map, to route each SSUBSCRIBE
-                    await self._listen_sharded(pubsub)
-                else:
-                    await self._listen(pubsub)
+                await self._listen(pubsub)
             except REDIS_FAILURES as exc:
                 self.degradation.failed(exc)
             finally:
@@ -160,41 +147,15 @@ class RedisWakeups(LocalWakeups):
             if message is not None and message["type"] == "message":
                 self.wake_local(message["channel"].decode())
 
-    async def _listen_sharded(self, pubsub: ClusterPubSub) -> None:
-        # Each channel separately: channels of different slots cannot share an SSUBSCRIBE.
-        for channel in list(self._waiters):
-            await pubsub.ssubscribe(channel)
-        self._pubsub = pubsub
-        while True:
-            if not pubsub.node_pubsub_mapping:
-                # Nothing subscribed, nothing to read: sleep until a first waiter subscribes.
-                # No await between the check and clear(), so no subscription slips between.
-                self._subscribed.clear()
-                await self._subscribed.wait()
-                continue
-            message = await pubsub.get_sharded_message(
-                ignore_subscribe_messages=True, timeout=_SHARD_POLL
-            )
-            if message is not None and message["type"] in ("smessage", b"smessage"):
-                self.wake_local(message["channel"].decode())
-
     async def _first_waiter_joined(self, channel: str) -> None:
         if self._waiters[channel] == 1 and self._pubsub is not None:
             with contextlib.suppress(*REDIS_FAILURES):
-                if isinstance(self._pubsub, ClusterPubSub):
-                    await self._pubsub.ssubscribe(channel)
-                else:
-                    await self._pubsub.subscribe(channel)
-            # Even after a failed SSUBSCRIBE: a listener woken for nothing just sleeps again.
-            self._subscribed.set()
+                await self._pubsub.subscribe(channel)
 
     async def _last_waiter_left(self, channel: str) -> None:
         if self._pubsub is not None:
             with contextlib.suppress(*REDIS_FAILURES):
-                if isinstance(self._pubsub, ClusterPubSub):
-                    await self._pubsub.sunsubscribe(channel)
-                else:
-                    await self._pubsub.unsubscribe(channel)
+                await self._pubsub.unsubscribe(channel)
 
     async def notify(self, key: RecordKey, *, published: bool = False) -> None:
         channel = channel_for(key)
@@ -203,12 +164,12 @@ class RedisWakeups(LocalWakeups):
             return
         try:
             async with asyncio.timeout(self.timeout):
-                if isinstance(self.publisher, RedisCluster):
-                    await self.publisher.spublish(channel, b"1")
-                else:
-                    await self.publisher.publish(channel, b"1")
+                await self._publish(channel)
         except REDIS_FAILURES as exc:
             self.degradation.failed(exc)
+
+    async def _publish(self, channel: str) -> None:
+        await self.publisher.publish(channel, b"1")
 
     async def close(self) -> None:
         await super().close()

@@ -128,6 +128,7 @@ class ProxyApp:
                 deadline=deadline,
                 plan=self._retry_plan(route, scope),
                 request_log=entry,
+                execution=execution_of(scope),
             ),
         )
         try:

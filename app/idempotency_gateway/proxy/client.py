@@ -20,11 +20,13 @@ from urllib.parse import unquote, urlsplit
 from idempotency_gateway.asgi import Headers, first_header
 from idempotency_gateway.config import UpstreamConfig
 from idempotency_gateway.errors import (
+    LeaseNotConfirmed,
     UpstreamInvalidResponse,
     UpstreamNotSent,
     UpstreamRequestRefused,
     is_final_status,
 )
+from idempotency_gateway.execution import Execution
 from idempotency_gateway.proxy.connection import UpstreamConnection
 from idempotency_gateway.proxy.pool import ConnectionPool
 
@@ -119,7 +121,8 @@ class UpstreamClient:
             self.name,
             host=self._host,
             port=self._port,
-            ssl_context=ssl.create_default_context() if self._tls else None,
+            ssl_context=self.config.tls.context() if self._tls else None,
+            server_name=self.config.tls.server_name,
             max_connections=self.config.pool.max_connections,
             keepalive=self.config.pool.keepalive,
         )
@@ -133,17 +136,36 @@ class UpstreamClient:
         if self._pool is not None:
             self._pool.close()
 
-    async def open(self, request: UpstreamRequest, *, head_within: float) -> UpstreamResponse:
+    async def open(
+        self,
+        request: UpstreamRequest,
+        *,
+        head_within: float,
+        execution: Execution | None = None,
+    ) -> UpstreamResponse:
         """One attempt: ``head_within`` seconds bound the wait for the response head (and
-        connecting, within ``timeouts.connect``). The caller must ``release()`` the response."""
+        connecting, within ``timeouts.connect``). The caller must ``release()`` the response.
+
+        For a keyed ``execution`` the attempt leaves only while its owner holds the lease:
+        confirmed before a connection is taken (a round trip only when the lease is not
+        trusted any more) and checked again, without I/O, right before the write; else
+        ``LeaseNotConfirmed`` and nothing was written."""
         pool = self._pool
         assert pool is not None, "UpstreamClient.start() was not called"
         data = self._encode(request)
+        if execution is not None:
+            await execution.confirm()
         started = pool.loop.time()
         connection = pool.idle_connection(started)
         if connection is None:
             connect_within = min(self.config.timeouts.connect, head_within)
             connection = await self._connect(pool, started + connect_within)
+        if execution is not None:
+            try:
+                execution.check()
+            except LeaseNotConfirmed:
+                pool.release(connection, reusable=True)  # nothing was written on it
+                raise
         try:
             connection.send(
                 data, head_deadline=started + head_within, head_only=request.method == "HEAD"
@@ -166,6 +188,15 @@ class UpstreamClient:
             return await pool.connect(deadline)
         except TimeoutError:
             raise UpstreamNotSent(f"connecting to upstream {self.name!r} timed out") from None
+        except ssl.SSLError as exc:
+            # Before the request: a certificate that does not verify (expired, another host's,
+            # an unknown CA) or an upstream that refused the handshake.
+            why = exc.reason or str(exc)
+            if verified := getattr(exc, "verify_message", None):
+                why = f"{why}: {verified}"
+            raise UpstreamNotSent(
+                f"the TLS handshake with upstream {self.name!r} failed ({why}); nothing was sent"
+            ) from exc
         except OSError as exc:
             raise UpstreamNotSent(f"cannot connect to upstream {self.name!r}: {exc}") from exc
 

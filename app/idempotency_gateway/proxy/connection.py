@@ -11,13 +11,20 @@ decision.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import cast
 
 import httptools
 
-from idempotency_gateway.errors import UpstreamConnectionLost, UpstreamError, UpstreamTimeout
+from idempotency_gateway.errors import (
+    UpstreamConnectionLost,
+    UpstreamError,
+    UpstreamInvalidResponse,
+    UpstreamNotSent,
+    UpstreamTimeout,
+)
 
 # Unread body bytes above which the socket is no longer read until the consumer catches up:
 # a large answer streams through a bounded buffer instead of piling up in memory.
@@ -27,7 +34,28 @@ READ_BUFFER_HIGH = 256 * 1024
 READ_SIZE = 64 * 1024
 # The most a response head (interim answers included) may take: llhttp has no bound of its
 # own, and an upstream streaming fields forever must not grow the worker's memory with them.
+# The same bound holds for what may arrive between two pieces of body: chunk framing and
+# extensions, and the trailer section after the last chunk.
 MAX_HEAD = 64 * 1024
+_FRAMING_FIELDS = (b"content-length", b"transfer-encoding")
+# TLS alerts a server sends only while the handshake is being settled. In TLS 1.3 the server
+# judges the client's certificate after the client's side of the handshake is done and the
+# request written: the refusal arrives as one of these instead of an answer. The request
+# never reached the upstream's application (it cannot read a byte before the handshake).
+_HANDSHAKE_REFUSALS = frozenset(
+    {
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+        "SSLV3_ALERT_BAD_CERTIFICATE",
+        "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE",
+        "SSLV3_ALERT_CERTIFICATE_REVOKED",
+        "SSLV3_ALERT_CERTIFICATE_EXPIRED",
+        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+        "TLSV1_ALERT_UNKNOWN_CA",
+        "TLSV1_ALERT_ACCESS_DENIED",
+        "SSLV3_ALERT_HANDSHAKE_FAILURE",
+        "TLSV1_ALERT_DECRYPT_ERROR",
+    }
+)
 # uvloop's clock ticks in milliseconds: a timer may fire that much before its deadline.
 _TIMER_SLACK = 0.001
 
@@ -50,6 +78,10 @@ class UnaskedAnswer(Exception):
     """An answer began after the exchange's answer was complete."""
 
 
+class UnrelayableAnswer(Exception):
+    """The answer's body is in a transfer coding the gateway cannot pass on."""
+
+
 class UpstreamConnection(asyncio.BufferedProtocol):
     """Carries one exchange at a time: ``send``, then ``head()``, then ``take``/``more`` for
     the body. ``idle`` is true while the pool holds it; ``on_idle_close`` is how the pool
@@ -60,6 +92,10 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         self._on_idle_close = on_idle_close
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpResponseParser(self)
+        # A Content-Length among the trailer fields is no framing (the body has ended): llhttp
+        # would fail the whole answer on it. The head's framing is checked in
+        # on_headers_complete instead.
+        self._parser.set_dangerous_leniencies(lenient_chunked_length=True)
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle = False
@@ -72,6 +108,11 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         self.error: UpstreamError | None = None
         self._head_only = False
         self._head_bytes = 0
+        # Bytes received since the last read that carried body (chunk framing, trailers).
+        self._framing_bytes = 0
+        self._body_in_read = False
+        # A trailer field was parsed: the last chunk is in, the body whole whatever follows.
+        self._in_trailers = False
         self._body: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
@@ -92,7 +133,8 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         self.head_done = self.complete = self.keep_alive = False
         self.error = None
         self._head_only = head_only
-        self._head_bytes = 0
+        self._head_bytes = self._framing_bytes = 0
+        self._in_trailers = False
         self._set_deadline(head_deadline, "no response head")
         cast(asyncio.Transport, self.transport).write(data)
 
@@ -165,18 +207,23 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         return self._read_buffer
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._body_in_read = False
+        head_was_done = self.head_done
         try:
             self._parser.feed_data(self._read_buffer[:nbytes])
         except httptools.HttpParserUpgrade:
             pass  # a 101: the head is done and the connection is never reused
         except httptools.HttpParserError as exc:
-            self._fail(connection_lost(self.upstream, f"invalid HTTP: {exc}"))
-            self._abort()
+            self._cut(f"invalid HTTP: {exc}")
         if not self.head_done:
             self._head_bytes += nbytes
             if self._head_bytes > MAX_HEAD:
-                self._fail(connection_lost(self.upstream, f"a head over {MAX_HEAD} bytes"))
-                self._abort()
+                self._cut(f"a head over {MAX_HEAD} bytes")
+        elif head_was_done and not self.complete:
+            # The read that ended the head is the head's, whatever else it held.
+            self._framing_bytes = 0 if self._body_in_read else self._framing_bytes + nbytes
+            if self._framing_bytes > MAX_HEAD:
+                self._cut(f"over {MAX_HEAD} bytes of chunk framing or trailer fields")
         if self.head_done or self.error is not None:
             self._wake()
 
@@ -190,7 +237,22 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         if self.idle:
             self._on_idle_close(self)
             return
-        if (
+        if self._in_trailers:
+            self.complete = True  # the body is whole: only trailer fields were still coming
+        elif (
+            isinstance(exc, ssl.SSLError)
+            and exc.reason in _HANDSHAKE_REFUSALS
+            # Nothing of an answer: the handshake was never accepted.
+            and not self.head_done
+            and not self._head_bytes
+        ):
+            self._fail(
+                UpstreamNotSent(
+                    f"upstream {self.upstream!r} refused the TLS handshake ({exc.reason}); "
+                    "nothing was sent"
+                )
+            )
+        elif (
             exc is None
             and self.error is None
             and self.head_done
@@ -215,12 +277,27 @@ class UpstreamConnection(asyncio.BufferedProtocol):
         self.headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:
+            # A trailer field (after a chunked body): dropped. The answer's fields were taken
+            # with its head, to be relayed and stored; a trailer must not add a Set-Cookie,
+            # an Idempotent-Replayed or a Content-Length to them afterwards.
+            self._in_trailers = True
+            return
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             return  # interim (100 Continue, 103 Early Hints): the final answer follows
+        if not self._head_only and not self._framed_plainly():
+            self._fail(
+                UpstreamInvalidResponse(
+                    f"upstream {self.upstream!r} framed its answer in a transfer coding other "
+                    "than chunked, or with both Transfer-Encoding and Content-Length, which "
+                    "the gateway cannot pass on; the request may or may not have been processed"
+                )
+            )
+            raise UnrelayableAnswer
         self.status = status
         self.head_done = True
         self._deadline = None
@@ -233,6 +310,7 @@ class UpstreamConnection(asyncio.BufferedProtocol):
     def on_body(self, body: bytes) -> None:
         if self.complete:
             return  # bytes after a HEAD answer's head, on a connection that closes
+        self._body_in_read = True
         self._body.append(body)
         self._buffered += len(body)
         if self._buffered > READ_BUFFER_HIGH and not self._paused:
@@ -247,19 +325,36 @@ class UpstreamConnection(asyncio.BufferedProtocol):
 
     # ----------------------------------------------------------------------- inner
 
-    def _delimited_by_close(self) -> bool:
-        """An answer with neither Content-Length nor chunked coding ends when the
-        connection does (RFC 9112 section 6.3): losing the connection completes it."""
-        content_length = False
-        coding: bytes | None = None
+    def _framed_plainly(self) -> bool:
+        """No transfer coding but chunked (RFC 9112 section 6.1), and not beside a length.
+        The gateway sends no ``TE``: ``gzip, chunked`` would reach the client as a body it
+        cannot decode, and ``chunked, gzip`` is delimited by closing, the gzip bytes taken as
+        the content. Both fields at once (which the parser is told to let through, for the
+        sake of trailers) is how responses are split (section 6.3)."""
+        codings: list[bytes] = []
+        length = False
         for name, value in self.headers:
             if name == b"transfer-encoding":
-                coding = value
+                codings += (coding.strip().lower() for coding in value.split(b","))
             elif name == b"content-length":
-                content_length = True
-        if coding is not None:
-            return not coding.rstrip().lower().endswith(b"chunked")
-        return not content_length
+                length = True
+        return not codings or (codings == [b"chunked"] and not length)
+
+    def _delimited_by_close(self) -> bool:
+        """An answer with neither Content-Length nor chunked coding ends when the
+        connection does (RFC 9112 section 6.3): losing the connection completes it. Any
+        ``Transfer-Encoding`` here is chunked (``_framed_plainly``)."""
+        return not any(name in _FRAMING_FIELDS for name, _ in self.headers)
+
+    def _cut(self, why: str) -> None:
+        """Stop reading the answer and drop the connection. Once in the trailer section the
+        answer is complete (its body is whole; trailers are dropped anyway), before it the
+        exchange failed."""
+        if self._in_trailers:
+            self.complete = True
+        else:
+            self._fail(connection_lost(self.upstream, why))
+        self._abort()
 
     def _fail(self, error: UpstreamError) -> None:
         if self.error is None and not self.complete:

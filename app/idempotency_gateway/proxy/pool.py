@@ -27,6 +27,7 @@ class ConnectionPool:
         host: str,
         port: int,
         ssl_context: ssl.SSLContext | None,
+        server_name: str | None = None,
         max_connections: int,
         keepalive: float,
     ) -> None:
@@ -34,6 +35,7 @@ class ConnectionPool:
         self._host = host
         self._port = port
         self._ssl = ssl_context
+        self._server_name = server_name
         self._max = max_connections
         self._keepalive = keepalive
         self.loop = asyncio.get_running_loop()
@@ -75,7 +77,11 @@ class ConnectionPool:
             self._open += 1
             try:
                 _, connection = await self.loop.create_connection(
-                    self._new_connection, self._host, self._port, ssl=self._ssl
+                    self._new_connection,
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._server_name,
                 )
             except BaseException:
                 self._free()

@@ -6,7 +6,10 @@ safe or idempotent method, or protected by an idempotency key that is forwarded 
 Ambiguous failures (timeouts, lost connections, 502/504) are retried only where the route
 says ``on_ambiguous: retry`` (the upstream dedupes on the key) or the method is safe.
 Every attempt and every pause stays inside the request's deadline, and retries spend the
-upstream's retry budget. Each decision is logged with its reason.
+upstream's retry budget and need a free slot of its bulkhead. Each decision is logged with
+its reason. A keyed execution's lease is confirmed afresh (one round trip) after every pause,
+and before each attempt by the client: ``LeaseNotConfirmed`` ends the loop at once, is never
+retried, and tells the breaker nothing.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from idempotency_gateway.errors import (
     UpstreamRequestRefused,
     UpstreamTimeout,
 )
+from idempotency_gateway.execution import Execution
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
 from idempotency_gateway.resilience.breaker import CircuitBreaker, TransitionListener
 from idempotency_gateway.resilience.budget import RetryBudget
+from idempotency_gateway.resilience.bulkhead import Bulkhead, BulkheadKind, RetrySlot
 from idempotency_gateway.telemetry.metrics import (
     RETRY_BUDGET_EXHAUSTED,
     UPSTREAM_ATTEMPT_DURATION,
@@ -107,6 +112,12 @@ class ResilientUpstream:
         self.breaker = CircuitBreaker(
             client.name, config.breaker, clock=clock, on_transition=on_breaker_transition
         )
+        # Taken by the bulkhead layer for each request; here only by retries (``RetrySlot``).
+        self.bulkhead = (
+            Bulkhead(BulkheadKind.UPSTREAM, client.name, config.bulkhead)
+            if config.bulkhead is not None
+            else None
+        )
         self.budget = RetryBudget(
             ratio=config.retry.budget.ratio,
             min_per_second=config.retry.budget.min_per_second,
@@ -127,9 +138,28 @@ class ResilientUpstream:
         deadline: Deadline,
         plan: RetryPlan,
         request_log: RequestLog | None = None,
+        execution: Execution | None = None,
     ) -> UpstreamResponse:
-        """The response to stream back (the caller releases it), or the last failure."""
+        """The response to stream back (the caller releases it), or the last failure.
+        ``execution``: the keyed execution whose lease every attempt must hold."""
         self.budget.record_request()
+        retry_slot = RetrySlot(self.bulkhead)
+        try:
+            return await self._attempts_until_answer(
+                make_request, deadline, plan, request_log, retry_slot, execution
+            )
+        finally:
+            retry_slot.give_back()
+
+    async def _attempts_until_answer(
+        self,
+        make_request: RequestFactory,
+        deadline: Deadline,
+        plan: RetryPlan,
+        request_log: RequestLog | None,
+        retry_slot: RetrySlot,
+        execution: Execution | None,
+    ) -> UpstreamResponse:
         attempt = 0
         while True:
             attempt += 1
@@ -151,14 +181,16 @@ class ResilientUpstream:
             with trial:
                 try:
                     response = await self.client.open(
-                        make_request(head_within), head_within=head_within
+                        make_request(head_within), head_within=head_within, execution=execution
                     )
                 except UpstreamError as error:
                     trial.settle(failure=self._error_is_failure(error))
                     self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
                     reason = self._why_not_retry_error(error, plan)
                     if reason is None:
-                        reason = await self._pause_before_retry(attempt, None, deadline, str(error))
+                        reason = await self._pause_before_retry(
+                            attempt, None, deadline, retry_slot, str(error), execution=execution
+                        )
                     if reason is not None:
                         self._log_final(attempt, type(error).__name__, reason)
                         raise
@@ -169,7 +201,13 @@ class ResilientUpstream:
             if reason is None:
                 retry_after = parse_retry_after(response.header("retry-after"))
                 reason = await self._pause_before_retry(
-                    attempt, retry_after, deadline, f"status {response.status}", response
+                    attempt,
+                    retry_after,
+                    deadline,
+                    retry_slot,
+                    f"status {response.status}",
+                    response,
+                    execution=execution,
                 )
             if reason is not None:
                 # Plain answers (2xx, 404) need no explanation; a retryable status that was
@@ -208,10 +246,15 @@ class ResilientUpstream:
         attempt: int,
         retry_after: float | None,
         deadline: Deadline,
+        retry_slot: RetrySlot,
         cause: str,
         response: UpstreamResponse | None = None,
+        *,
+        execution: Execution | None,
     ) -> str | None:
-        """Sleep before the next attempt; or say why there will be none."""
+        """Sleep before the next attempt; or say why there will be none. After the pause the
+        execution's lease is confirmed with a round trip, whatever the clock says: the owner
+        may have stalled, or been fenced, while it waited."""
         if attempt >= self.retry.max_attempts:
             return f"max_attempts ({self.retry.max_attempts}) reached"
         delay = pause_before_retry(
@@ -223,6 +266,8 @@ class ResilientUpstream:
         )
         if delay + MIN_ATTEMPT_TIME >= deadline.remaining():
             return f"a pause of {delay:.3f}s would not leave time for another attempt"
+        if not retry_slot.take():
+            return "the upstream's bulkhead has no free slot for a retry"
         if not self.budget.try_withdraw():
             RETRY_BUDGET_EXHAUSTED.labels(self.name).inc()
             return "the retry budget is exhausted"
@@ -238,6 +283,8 @@ class ResilientUpstream:
             delay,
         )
         await self._sleep(delay)
+        if execution is not None:
+            await execution.confirm(fresh=True)
         return None
 
     def _measure(self, started: float, result: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 from typing import Any
 
 import httptools
@@ -60,7 +61,12 @@ class EdgeServerConfig(uvicorn.Config):
     can hand it to worker processes)."""
 
     def __init__(self, app: Any, *, limits: LimitsConfig, **options: Any) -> None:
-        super().__init__(app, http=EdgeProtocol, **options)
+        super().__init__(
+            app,
+            http=EdgeProtocol,
+            timeout_keep_alive=math.ceil(limits.keepalive_timeout),
+            **options,
+        )
         self.limits = limits
 
 

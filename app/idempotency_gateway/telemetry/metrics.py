@@ -100,6 +100,41 @@ BREAKER_TRANSITIONS = Counter(
     "Circuit breaker state changes",
     ["upstream", "from_state", "to_state"],
 )
+# Bulkheads: ``kind`` is ``tier`` (a route tier of the config's ``bulkheads``) or ``upstream``;
+# ``name`` is the tier's or the upstream's name. Each worker has its own bulkheads, so the
+# gauges (limits included) add up over live workers.
+BULKHEAD_IN_FLIGHT = Gauge(
+    PREFIX + "bulkhead_in_flight",
+    "Requests holding a slot of a bulkhead (retries included), sampled every second, "
+    "summed over live workers",
+    ["kind", "name"],
+    multiprocess_mode="livesum",
+)
+BULKHEAD_QUEUED = Gauge(
+    PREFIX + "bulkhead_queued",
+    "Requests waiting in a bulkhead's queue for a slot, sampled every second, summed over "
+    "live workers",
+    ["kind", "name"],
+    multiprocess_mode="livesum",
+)
+BULKHEAD_LIMIT = Gauge(
+    PREFIX + "bulkhead_max_concurrent",
+    "A bulkhead's max_concurrent, summed over live workers (the capacity in_flight fills)",
+    ["kind", "name"],
+    multiprocess_mode="livesum",
+)
+BULKHEAD_REFUSALS = Counter(
+    PREFIX + "bulkhead_refusals_total",
+    "Requests refused with capacity-exhausted (queue_full, queue_timeout) and retries not "
+    "made (retry_no_slot), by bulkhead",
+    ["kind", "name", "reason"],
+)
+BULKHEAD_QUEUE_WAIT = Histogram(
+    PREFIX + "bulkhead_queue_wait_seconds",
+    "Time a request waited in a bulkhead's queue (only requests that had to wait)",
+    ["kind", "name"],
+    buckets=_REQUEST_BUCKETS,
+)
 STORE_LATENCY = Histogram(
     PREFIX + "store_latency_seconds",
     "Durable store statement latency by operation",
@@ -152,6 +187,12 @@ BUILD_INFO = Gauge(
     ["version", "python_version"],
     # One series per version: during a rolling restart old and new workers both show.
     multiprocess_mode="livemax",
+)
+EVENT_LOOP_LAG = Histogram(
+    PREFIX + "event_loop_lag_seconds",
+    "How late a worker's event loop ran a timer due every 0.1 s: time the loop spent on work "
+    "that did not yield, or the process did not run",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 SWEPT_RECORDS = Counter(
     PREFIX + "swept_records_total",

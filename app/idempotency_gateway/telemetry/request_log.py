@@ -41,6 +41,8 @@ class RequestOutcome(StrEnum):
     # The store was down and the route fails open: proxied with no idempotency protection.
     STORE_DOWN_PASSED_THROUGH = "store_down_passed_through"
     OUTCOME_UNKNOWN = "outcome_unknown"
+    # A bulkhead had no room: refused with capacity-exhausted before anything ran.
+    SHED = "shed"
     UNPROTECTED = "unprotected"
 
 
