@@ -22,20 +22,20 @@ def _key(unique: Callable[[str], str], name: str = "key") -> RecordKey:
     return RecordKey(unique("scope"), "POST /v1/charges", unique(name))
 
 
-async def _reserved(store: RecordStore, key: RecordKey) -> str:
-    owner_id = uuid.uuid4().hex
-    reservation = await store.reserve(key, Claim("1" * 64, owner_id, LEASE, TTL))
+async def _reserved(store: RecordStore, key: RecordKey) -> Fence:
+    """A fresh claim on ``key``: its owner id and fencing token."""
+    reservation = await store.reserve(key, Claim("1" * 64, uuid.uuid4().hex, LEASE, TTL))
     assert reservation.reserved
-    return owner_id
+    return Fence(reservation.record.owner_id, reservation.record.fencing_token)
 
 
 async def test_an_unsent_claim_is_released_as_not_executed_and_runs_again(
     store: RecordStore, unique: Callable[[str], str]
 ) -> None:
     key = _key(unique)
-    owner_id = await _reserved(store, key)
+    owner = await _reserved(store, key)
 
-    assert await store.release_unsent(key, owner_id)
+    assert await store.release_unsent(key, owner.owner_id)
 
     record = await store.get(key)
     assert record is not None
@@ -50,18 +50,14 @@ async def test_a_release_by_another_owner_or_of_a_finished_record_changes_nothin
     store: RecordStore, unique: Callable[[str], str]
 ) -> None:
     key = _key(unique)
-    owner_id = await _reserved(store, key)
+    owner = await _reserved(store, key)
 
     assert not await store.release_unsent(key, uuid.uuid4().hex)
     assert await store.finalize(
-        key,
-        Fence(owner_id, 1),
-        status=Status.SUCCEEDED,
-        response=StoredResponse(201, [], b"{}"),
-        ttl=TTL,
+        key, owner, status=Status.SUCCEEDED, response=StoredResponse(201, [], b"{}"), ttl=TTL
     )
-    assert not await store.release_unsent(key, owner_id)
-    assert not await store.release_unsent(_key(unique, "absent"), owner_id)
+    assert not await store.release_unsent(key, owner.owner_id)
+    assert not await store.release_unsent(_key(unique, "absent"), owner.owner_id)
 
     record = await store.get(key)
     assert record is not None
@@ -75,8 +71,8 @@ async def test_released_orphans_leave_the_queue(
     owners = [await _reserved(store, key) for key in keys]
     orphans = OrphanReleases(store)
 
-    for key, owner_id in zip(keys, owners, strict=True):
-        orphans.add(key, owner_id, ttl=TTL)
+    for key, owner in zip(keys, owners, strict=True):
+        orphans.add(key, owner.owner_id, ttl=TTL)
     await eventually(lambda: orphans.pending == 0)
     await orphans.close()
 
