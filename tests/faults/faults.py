@@ -23,7 +23,7 @@ import httpx
 
 from tests.faults.clients import TENANTS, FaultClient, Load
 from tests.faults.cluster import LEASE, Cluster, PrivatePostgres, PrivateRedis, ReplicatedPostgres
-from tests.faults.upstream import FaultyUpstream
+from tests.faults.upstream import FaultyUpstream, disposition
 from tests.support import GatewayProcess, eventually
 
 GATEWAY_KILL = "gateway kill -9 mid-request"
@@ -114,13 +114,20 @@ class FaultInjector:
         await self._cut_off_past_lease(GATEWAY_STALL, victim, victim.pause, victim.resume)
 
     async def stall_gateway_between_attempts(self) -> None:
-        """The upstream answers 503 (not processed, so the gateways retry after a pause); a
+        """The upstream answers 503 (not processed, so the gateways retry after its
+        Retry-After); a
         gateway with requests in that pause is SIGSTOPped past the lease. Its owners wake up
         between two attempts, after other gateways took their records over: the next attempt
         must not go out."""
-        self.upstream.fault = "status=503"
+        # Retry-After holds the owners in their pause long enough to be caught there.
+        self.upstream.fault = "status=503,retry-after=1"
         try:
-            victim = await eventually(self._gateway_with_requests, timeout=10.0, interval=0.005)
+            victim = await eventually(
+                self._gateway_between_attempts,
+                timeout=10.0,
+                interval=0.005,
+                message="a gateway with a request the upstream refused, not yet finished",
+            )
             victim.pause()
         finally:
             self.upstream.fault = None
@@ -136,9 +143,21 @@ class FaultInjector:
         link = self.cluster.database_link(victim)
         await self._cut_off_past_lease(DATABASE_LINK_PAUSE, victim, link.pause, link.resume)
 
-    def _gateway_with_requests(self) -> GatewayProcess | None:
+    def _gateway_between_attempts(self) -> GatewayProcess | None:
+        """A gateway with a request in flight that the upstream already refused with a 503
+        and is not working on now: it is pausing before its next attempt."""
+        refused = {
+            execution.idempotency_key
+            for execution in self.upstream.executions
+            if disposition(execution) == "refused"
+        }
         candidates = [
-            gateway for gateway in self.cluster.gateways if self.load.inflight_at(gateway)
+            gateway
+            for gateway in self.cluster.gateways
+            if any(
+                op.key in refused and not self.upstream.working[op.key]
+                for op in self.load.inflight_at(gateway)
+            )
         ]
         return self.rng.choice(candidates) if candidates else None
 

@@ -53,7 +53,11 @@ def _seen(*prefixes: str) -> Callable[[Report], bool]:
 TRACE_OF: dict[str, Callable[[Report], bool]] = {
     GATEWAY_KILL: _seen("connection: "),
     GATEWAY_STALL: lambda report: any("fenced" in kind for kind in report.errors),
-    GATEWAY_STALL_BETWEEN_ATTEMPTS: _seen("upstream 503"),
+    # The upstream refused attempts (the gateways retried them) and a stalled owner was fenced.
+    GATEWAY_STALL_BETWEEN_ATTEMPTS: lambda report: (
+        report.counts["  refused: not processed"] > 0
+        and any("fenced" in kind for kind in report.errors)
+    ),
     DATABASE_LINK_PAUSE: lambda report: any("lease" in kind for kind in report.errors),
     POSTGRES_RESTART: _seen("gateway 503 store-unavailable", "log error: finalize failed"),
     REDIS_RESTART: _seen("log warning: Redis"),
