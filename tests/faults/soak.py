@@ -82,7 +82,11 @@ async def soak(minutes: float, *, workdir: Path, seed: int = 0) -> SoakResult:
         sampler = asyncio.create_task(_sample_memory(environment, result, started))
         try:
             while time.monotonic() < ends:
-                faults = rng.sample(KINDS, rng.randint(1, 3))
+                # Each kind in turn leads a round, joined by up to two others at random: every
+                # kind strikes in a run of len(KINDS) rounds, however slow the machine is.
+                leading = KINDS[len(result.rounds) % len(KINDS)]
+                others = [kind for kind in KINDS if kind != leading]
+                faults = [leading, *rng.sample(others, rng.randint(0, 2))]
                 plan = Plan(
                     f"round {len(result.rounds) + 1}",
                     faults=faults,
