@@ -4,7 +4,8 @@
     pytest -m soak tests/faults/test_soak.py           # the same, GATEWAY_SOAK_MINUTES=3
 
 Rounds of the fault run follow each other on the same cluster for the whole time (each: load
-from eight SDK-like clients with shared and repeated operations, one to three random faults,
+from eight SDK-like clients with shared and repeated operations, one fault kind leading in
+turn with up to two others at random,
 settling, the checker), so the surviving gateways live through everything. The resident
 memory of every gateway process is sampled from ``/proc`` every few seconds. The summary
 (the same table as the short run, plus memory over time) goes to ``SOAK.md`` and stdout; the
@@ -141,8 +142,9 @@ def render(result: SoakResult) -> str:
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC ({platform.machine()}, Python "
         f"{platform.python_version()}). Three gateway processes share a private PostgreSQL "
         f"and a private Redis; lease {LEASE:g} s; eight SDK-like clients per round over an "
-        "`on_ambiguous: fail` and an `on_ambiguous: retry` route; one to three random faults "
-        f"per round. {len(result.rounds)} rounds, {report.seconds:.0f} s of load, "
+        "`on_ambiguous: fail` and an `on_ambiguous: retry` route; each fault kind leading a "
+        "round in turn, with up to two others at random. "
+        f"{len(result.rounds)} rounds, {report.seconds:.0f} s of load, "
         f"{requests} requests ({requests / max(report.seconds, 1):.0f}/s).",
         "",
         f"**Result: {len(report.violations) or 'no'} violation"
