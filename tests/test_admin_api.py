@@ -415,16 +415,16 @@ async def test_removed_record_lets_its_key_execute_again(
     await remove_and_run_again(records_gateway, upstream, unique("removed"), removal)
 
 
-@pytest.mark.parametrize("removal", REMOVALS.values(), ids=REMOVALS.keys())
+@pytest.mark.parametrize("removal", REMOVALS)
 async def test_a_record_in_flight_is_not_removed_under_its_owner(
     records_gateway: AdminGateway,
     upstream: RecordingUpstream,
-    removal: tuple[str, str, dict[str, bool]],
+    removal: str,
     unique: Callable[[str], str],
 ) -> None:
     """Removed while its owner's attempt is upstream, the record would let a duplicate
     execute beside it. Refused (409) while the lease is live: the key executes once."""
-    method, path, _ = removal
+    method, path, _ = REMOVALS[removal]
     key, gate = unique("in-flight"), unique("gate")
     owner = asyncio.create_task(send_keyed(records_gateway.proxy, key, behavior=f"gate={gate}"))
     try:
