@@ -438,6 +438,40 @@ async def test_removed_record_lets_its_key_execute_again(
     await remove_and_run_again(records_gateway, upstream, unique("removed"), removal)
 
 
+@pytest.mark.parametrize("removal", REMOVALS)
+async def test_a_record_in_flight_is_not_removed_under_its_owner(
+    records_gateway: AdminGateway,
+    upstream: RecordingUpstream,
+    removal: str,
+    unique: Callable[[str], str],
+) -> None:
+    """Removed while its owner's attempt is upstream, the record would let a duplicate
+    execute beside it. Refused (409) while the lease is live: the key executes once."""
+    method, path, _ = REMOVALS[removal]
+    key, gate = unique("in-flight"), unique("gate")
+    owner = asyncio.create_task(send_keyed(records_gateway.proxy, key, behavior=f"gate={gate}"))
+    try:
+        await upstream.wait_arrived(gate)
+
+        refused = await records_gateway.admin.request(
+            method, path, params=by_scope(key), headers=ADMIN
+        )
+        duplicate = await send_keyed(records_gateway.proxy, key)
+    finally:
+        upstream.release(gate)
+    first = await owner
+
+    problem = assert_problem(refused, 409, "record-in-flight")
+    assert "lease" in problem["detail"]
+    assert_problem(duplicate, 409, "request-in-flight")
+    assert first.status_code == 201
+    assert upstream.count(key) == 1
+    assert is_replay(await send_keyed(records_gateway.proxy, key))
+    # Once settled, the record is the operator's to remove.
+    removed = await records_gateway.admin.request(method, path, params=by_scope(key), headers=ADMIN)
+    assert removed.status_code == 200, removed.text
+
+
 async def test_expired_record_stays_readable_until_it_runs_again(
     records_gateway: AdminGateway, unique: Callable[[str], str]
 ) -> None:

@@ -23,7 +23,7 @@ from idempotency_gateway.execution import Execution, Outcome
 from idempotency_gateway.idempotency.lease import MARGIN_FRACTION, Lease
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey
-from idempotency_gateway.idempotency.store import Claim, RecordStore
+from idempotency_gateway.idempotency.store import Claim, RecordStore, Removal
 from tests.support import eventually
 from tests.support.clock import ManualClock
 from tests.support.tcp_proxy import TcpProxy
@@ -212,15 +212,16 @@ async def test_a_key_created_again_after_expiry_gets_a_larger_token(
     store: RecordStore, clock: ManualClock, key: RecordKey
 ) -> None:
     first = await reserved(store, key)
-    assert await store.expire(key)
-    clock.advance(LEASE * 2)  # its owner is gone too
+    clock.advance(LEASE * 2)  # its owner is gone, so the record may be expired
+    assert await store.expire(key) is Removal.DONE
     reborn = await store.reserve(key, claim())
     assert not reborn.reserved  # the expired row is still there: it is taken over
     again = await store.take_over(reborn.record, claim())
     assert again is not None
     assert again.attempts == 1  # a new life
     assert again.fencing_token > first.fencing_token
-    assert await store.delete(key)
+    clock.advance(LEASE * 2)
+    assert await store.delete(key) is Removal.DONE
     recreated = await reserved(store, key)
     assert recreated.fencing_token > again.fencing_token
 

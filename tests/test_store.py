@@ -25,7 +25,13 @@ from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.schema import records
-from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore, Reservation
+from idempotency_gateway.idempotency.store import (
+    SWEEP_LOCK_ID,
+    Claim,
+    RecordStore,
+    Removal,
+    Reservation,
+)
 from idempotency_gateway.migrate import alembic_config, upgrade_to_head
 from tests.support import free_port
 from tests.support.clock import ManualClock
@@ -412,15 +418,35 @@ async def test_renew_lease_after_finalize_changes_nothing(
 # ------------------------------------------------------------------------ delete and get
 
 
-async def test_delete_removes_the_record(store: RecordStore, key: RecordKey) -> None:
+async def test_delete_removes_the_record(
+    store: RecordStore, clock: ManualClock, key: RecordKey
+) -> None:
     await reserve(store, key, new_owner())
+    clock.advance(LEASE)  # its owner is gone
 
-    assert await store.delete(key)
+    assert await store.delete(key) is Removal.DONE
 
     assert await store.get(key) is None
-    assert not await store.delete(key)
+    assert await store.delete(key) is Removal.ABSENT
     # The key is free again.
     assert (await reserve(store, key, new_owner())).reserved
+
+
+@pytest.mark.parametrize("removal", ["delete", "expire"])
+async def test_a_live_execution_is_neither_deleted_nor_expired(
+    store: RecordStore, clock: ManualClock, key: RecordKey, removal: str
+) -> None:
+    """Removed under its owner, whose lease lets it send without asking again, the record
+    would let a duplicate execute beside it."""
+    record = (await reserve(store, key, new_owner())).record
+    remove = store.delete if removal == "delete" else store.expire
+
+    assert await remove(key) is Removal.IN_FLIGHT
+    assert await store.get(key) == record
+
+    clock.advance(LEASE)  # the lease ran out: the owner is presumed dead
+    assert await remove(key) is Removal.DONE
+    await store.delete(key)
 
 
 async def test_get_of_absent_key_is_none(store: RecordStore, key: RecordKey) -> None:
@@ -446,7 +472,7 @@ async def test_admin_paths_read_and_change_what_the_hot_path_wrote(
     clock.advance(1)  # lease_expires_at <= now: the owner is presumed dead
     assert ours(await store.list_stuck(limit=1000)) == [record]
 
-    assert await store.expire(key)
+    assert await store.expire(key) is Removal.DONE
     expired = await store.get(key)
     assert expired is not None
     assert (expired.expires_at, expired.is_expired(clock.now)) == (clock.now, True)

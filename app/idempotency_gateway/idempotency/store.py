@@ -24,11 +24,14 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import Enum, auto
 from typing import Any, Protocol
 
 import asyncpg
 from sqlalchemy import (
     ColumnElement,
+    Delete,
+    Update,
     and_,
     delete,
     event,
@@ -68,6 +71,15 @@ READ_ONLY_SQLSTATE = "25006"
 
 # Bodies below this size are stored as they are: compressing them saves nothing worth a CPU.
 _COMPRESS_FROM = 1024
+
+
+class Removal(Enum):
+    """What an operator's delete or expire of a record did."""
+
+    DONE = auto()
+    ABSENT = auto()
+    IN_FLIGHT = auto()
+    """Refused: an owner holds a live lease and may be executing the request right now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,21 +421,38 @@ class RecordStore(ABC):
     @abstractmethod
     async def get(self, key: RecordKey) -> Record | None: ...
 
-    async def delete(self, key: RecordKey) -> bool:
-        async with self._connection("delete") as connection:
-            result = await connection.execute(delete(records).where(_key_matches(key)))
-        return bool(result.rowcount)
+    async def delete(self, key: RecordKey) -> Removal:
+        """Delete a record, unless it is in flight under a live lease."""
+        statement = delete(records).where(_key_matches(key), self._not_live())
+        return await self._remove(key, statement, "delete")
 
-    async def expire(self, key: RecordKey) -> bool:
-        """Make a record count as absent now (it stays readable until swept)."""
+    async def expire(self, key: RecordKey) -> Removal:
+        """Make a record count as absent now (it stays readable until swept), unless it is
+        in flight under a live lease."""
+        now = self._now_sql()
         statement = (
             update(records)
-            .where(_key_matches(key))
-            .values(expires_at=self._now_sql(), updated_at=self._now_sql())
+            .where(_key_matches(key), self._not_live())
+            .values(expires_at=now, updated_at=now)
         )
-        async with self._connection("expire") as connection:
+        return await self._remove(key, statement, "expire")
+
+    async def _remove(self, key: RecordKey, statement: Delete | Update, operation: str) -> Removal:
+        """Run a delete or expire that spares a live execution: removed under its owner,
+        the record would let a duplicate execute beside the owner's attempt, which its
+        lease lets it send without asking the database again."""
+        async with self._connection(operation) as connection:
             result = await connection.execute(statement)
-        return bool(result.rowcount)
+        if result.rowcount:
+            return Removal.DONE
+        return Removal.ABSENT if await self.get(key) is None else Removal.IN_FLIGHT
+
+    def _not_live(self) -> ColumnElement[bool]:
+        """Not an execution in flight: no owner holds a live lease on the record."""
+        return or_(
+            records.c.status != Status.IN_PROGRESS.value,
+            records.c.lease_expires_at <= self._now_sql(),
+        )
 
     async def list_stuck(self, *, limit: int) -> list[Record]:
         """``IN_PROGRESS`` records whose owner's lease ran out: owners that died or stalled."""
@@ -459,13 +488,7 @@ class RecordStore(ABC):
         expired = (
             select(records.c.scope, records.c.operation, records.c.idempotency_key)
             # Never a live execution, whatever its TTL says.
-            .where(
-                records.c.expires_at <= now,
-                or_(
-                    records.c.status != Status.IN_PROGRESS.value,
-                    records.c.lease_expires_at <= now,
-                ),
-            )
+            .where(records.c.expires_at <= now, self._not_live())
             .limit(batch_size)
         )
         if self._is_postgres:

@@ -29,7 +29,7 @@ from idempotency_gateway.errors import AdminError, GatewayError, StoreReadOnly, 
 from idempotency_gateway.idempotency.cache import ReplayCache
 from idempotency_gateway.idempotency.keys import scope_of
 from idempotency_gateway.idempotency.record import Record, RecordKey
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.idempotency.store import RecordStore, Removal
 from idempotency_gateway.migrate import schema_state
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
 from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
@@ -350,9 +350,20 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         # Cache out, record changed, cache out again: a replay that read the record just
         # before the change cannot leave a stale copy behind.
         cache_cleared = await context.cache.delete(key)
-        changed = await (
+        removal = await (
             context.store.delete(key) if change == "deleted" else context.store.expire(key)
         )
+        if removal is Removal.IN_FLIGHT:
+            raise AdminError(
+                "the record is in flight: its owner holds a live lease and may be sending "
+                "the request upstream right now, so a duplicate let in beside it could execute "
+                "it a second time. Retry once the lease ran out (GET /admin/records/stuck "
+                "lists owners that stopped renewing it) or the execution finished",
+                status=409,
+                slug="record-in-flight",
+                title="Record in flight",
+            )
+        changed = removal is Removal.DONE
         cache_cleared = await context.cache.delete(key) and cache_cleared
         if changed and context.invalidations is not None:
             await context.invalidations.publish(key)
