@@ -34,8 +34,10 @@ from idempotency_gateway import (
 )
 from idempotency_gateway.config import CacheConfig
 from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE
+from idempotency_gateway.idempotency.policy import PolicySource
 from idempotency_gateway.idempotency.record import RecordKey, Status
 from idempotency_gateway.idempotency.store import Claim
+from idempotency_gateway.operations.lifespan import Lifespan
 from tests.support import eventually
 from tests.support.clock import ManualClock
 from tests.support.problems import assert_problem
@@ -52,14 +54,23 @@ class ChargeFailed(RuntimeError):
     pass
 
 
-def failing_app(store: RecordStore, *, with_handler: bool) -> tuple[FastAPI, list[str]]:
-    api = FastAPI()
+def protected_app(
+    store: RecordStore,
+    policy: PolicySource | None,
+    *,
+    cache: InProcessCache | None = None,
+    lifespan: Lifespan | None = None,
+) -> FastAPI:
+    """A user's FastAPI app with the middleware added as the README shows."""
+    api = FastAPI(lifespan=lifespan)
     api.add_middleware(
-        IdempotencyMiddleware,
-        store=store,
-        policy={"/v1/charges": IdempotencyConfig()},
-        scope_secret=SCOPE_SECRET,
+        IdempotencyMiddleware, store=store, policy=policy, cache=cache, scope_secret=SCOPE_SECRET
     )
+    return api
+
+
+def failing_app(store: RecordStore, *, with_handler: bool) -> tuple[FastAPI, list[str]]:
+    api = protected_app(store, {"/v1/charges": IdempotencyConfig()})
     runs: list[str] = []
 
     @api.post("/v1/charges")
@@ -132,16 +143,8 @@ async def test_lifespan_starts_the_store_sweeps_and_closes_the_cache(
         claim = Claim("f" * 64, os.urandom(16).hex(), lease=30.0, ttl=ttl)
         assert (await store.reserve(key, claim)).reserved
     clock.advance(61)
-    api = FastAPI(
-        lifespan=idempotency_lifespan(store, cache=cache, sweeper=SweeperConfig(interval=0.05))
-    )
-    api.add_middleware(
-        IdempotencyMiddleware,
-        store=store,
-        cache=cache,
-        policy=IdempotencyConfig(),
-        scope_secret=SCOPE_SECRET,
-    )
+    sweeping = idempotency_lifespan(store, cache=cache, sweeper=SweeperConfig(interval=0.05))
+    api = protected_app(store, IdempotencyConfig(), cache=cache, lifespan=sweeping)
 
     @api.post("/v1/charges")
     async def create_charge() -> dict[str, str]:
@@ -173,13 +176,7 @@ def requests_counted(route: str, outcome: str, status_class: str) -> float:
 async def test_requests_get_ids_and_the_gateways_metrics_by_route(
     store: RecordStore, unique: Callable[[str], str]
 ) -> None:
-    api = FastAPI()
-    api.add_middleware(
-        IdempotencyMiddleware,
-        store=store,
-        policy={"/v1/charges": IdempotencyConfig(key="required")},
-        scope_secret=SCOPE_SECRET,
-    )
+    api = protected_app(store, {"/v1/charges": IdempotencyConfig(key="required")})
 
     @api.post("/v1/charges")
     async def create_charge() -> dict[str, str]:
@@ -202,8 +199,7 @@ async def test_requests_get_ids_and_the_gateways_metrics_by_route(
 async def test_endpoints_marked_idempotent_are_protected_and_others_are_not(
     store: RecordStore, unique: Callable[[str], str]
 ) -> None:
-    api = FastAPI()
-    api.add_middleware(IdempotencyMiddleware, store=store, scope_secret=SCOPE_SECRET)
+    api = protected_app(store, None)
     runs: list[str] = []
 
     @api.post("/v1/charges")
@@ -227,6 +223,15 @@ async def test_endpoints_marked_idempotent_are_protected_and_others_are_not(
         return {"run": len(runs)}
 
     api.include_router(payouts)
+    transfers = APIRouter()
+
+    @transfers.post("/transfers")
+    async def create_transfer() -> dict[str, object]:
+        runs.append("transfer")
+        return {"run": len(runs)}
+
+    # Marked where it is included, under a prefix of its own.
+    api.include_router(transfers, prefix="/v2", dependencies=[Depends(idempotent())])
     key = unique("lib-marked")
     async with serving(api) as client:
         keyless = await charge(client, None)
@@ -239,6 +244,10 @@ async def test_endpoints_marked_idempotent_are_protected_and_others_are_not(
             await client.post("/v1/payouts/acct_1", json={}, headers={"Idempotency-Key": key})
             for _ in range(2)
         ]
+        transfer = [
+            await client.post("/v2/transfers", json={}, headers={"Idempotency-Key": key})
+            for _ in range(2)
+        ]
 
     assert_problem(keyless, 400, "idempotency-key-missing")
     assert charges[0].json()["fencing_token"] >= 1
@@ -247,7 +256,9 @@ async def test_endpoints_marked_idempotent_are_protected_and_others_are_not(
     assert [refund.json()["run"] for refund in refunds] == [2, 3]  # not protected
     assert payout[1].content == payout[0].content
     assert payout[1].headers["idempotent-replayed"] == "true"
-    assert runs == ["charge", "refund", "refund", "payout acct_1"]
+    assert transfer[1].content == transfer[0].content
+    assert transfer[1].headers["idempotent-replayed"] == "true"
+    assert runs == ["charge", "refund", "refund", "payout acct_1", "transfer"]
     # The marked route's record is named by its path, under the route's own operation.
     record = await store.get(RecordKey(ANONYMOUS_SCOPE, "POST /v1/payouts/acct_1", key))
     assert record is not None
