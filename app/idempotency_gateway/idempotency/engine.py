@@ -258,6 +258,7 @@ class IdempotencyEngine:
         )
         failure: GatewayError = OutcomeUnknown("the app failed")
         raised: Exception | None = None
+        rendered = False  # the app's failure answer, made here: final whatever its status
         receive = replay_receive(request.body)
         async with run.heartbeat():
             try:
@@ -271,13 +272,18 @@ class IdempotencyEngine:
                 if not capture.started:
                     # The app's own failure answer, as it sends it without a key, is the
                     # answer of record (contract: a handler that raises).
-                    await send_app_failure(inner_scope, receive, capture.send, error)
+                    try:
+                        await send_app_failure(inner_scope, receive, capture.send, error)
+                        rendered = True
+                    except Exception:
+                        # No answer at all: settled below as any answer that never came.
+                        log.exception("the app's error handler failed as well")
         if not capture.complete:
             # No full answer came back: the upstream may have acted on the request.
             execution.report(Outcome.AMBIGUOUS)
         status = (
             Status.FAILED_FINAL
-            if raised is not None and capture.complete
+            if rendered and capture.complete
             else classify(capture.status or 500, execution.outcome, request.config)
         )
         answer = self._answer_to_store(request, capture, status)
