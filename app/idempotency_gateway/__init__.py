@@ -23,15 +23,18 @@ if TYPE_CHECKING:
         OnAmbiguous,
         OutcomeConfig,
         StoreConfig,
+        SweeperConfig,
     )
     from idempotency_gateway.errors import GatewayError
-    from idempotency_gateway.execution import Outcome
+    from idempotency_gateway.execution import Execution, Outcome
     from idempotency_gateway.idempotency.cache import InProcessCache
+    from idempotency_gateway.idempotency.endpoints import idempotent
     from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
     from idempotency_gateway.idempotency.redis_cache import RedisCache
     from idempotency_gateway.idempotency.redis_connection import connect_redis
     from idempotency_gateway.idempotency.store import RecordStore
     from idempotency_gateway.migrate import upgrade_to_head
+    from idempotency_gateway.operations.lifespan import idempotency_lifespan
 
 try:
     __version__ = version("idempotency-gateway")
@@ -52,7 +55,11 @@ _HOMES = {
     "OutcomeConfig": "idempotency_gateway.config",
     "StoreConfig": "idempotency_gateway.config",
     "GatewayError": "idempotency_gateway.errors",
+    "Execution": "idempotency_gateway.execution",
     "Outcome": "idempotency_gateway.execution",
+    "SweeperConfig": "idempotency_gateway.config",
+    "idempotent": "idempotency_gateway.idempotency.endpoints",
+    "idempotency_lifespan": "idempotency_gateway.operations.lifespan",
     "upgrade_to_head": "idempotency_gateway.migrate",
     "IdempotentClient": "idempotency_gateway.client",
     "idempotency_key": "idempotency_gateway.client",
@@ -61,6 +68,7 @@ _HOMES = {
 __all__ = [
     "AnonymousPolicy",
     "CacheConfig",
+    "Execution",
     "GatewayError",
     "IdempotencyConfig",
     "IdempotencyMiddleware",
@@ -73,9 +81,12 @@ __all__ = [
     "RecordStore",
     "RedisCache",
     "StoreConfig",
+    "SweeperConfig",
     "__version__",
     "connect_redis",
     "idempotency_key",
+    "idempotency_lifespan",
+    "idempotent",
     "upgrade_to_head",
 ]
 

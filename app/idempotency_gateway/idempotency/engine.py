@@ -27,6 +27,7 @@ from idempotency_gateway.errors import (
     StoreUnavailable,
 )
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
+from idempotency_gateway.idempotency.app_failure import send_app_failure
 from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache, expiry_of
 from idempotency_gateway.idempotency.machine import Action, classify, decide
 from idempotency_gateway.idempotency.orphans import OrphanReleases
@@ -256,20 +257,35 @@ class IdempotencyEngine:
             error_format=request.config.error_format,
         )
         failure: GatewayError = OutcomeUnknown("the app failed")
+        raised: Exception | None = None
+        rendered = False  # the app's failure answer, made here: final whatever its status
+        receive = replay_receive(request.body)
         async with run.heartbeat():
             try:
-                await self.app(inner_scope, replay_receive(request.body), capture.send)
+                await self.app(inner_scope, receive, capture.send)
             except LeaseNotConfirmed as refusal:
                 # A library app that stopped before its side effect, as it should: the
                 # execution has already reported whether anything had left.
                 failure = refusal
-            except Exception:
-                log.exception("the app failed while executing an idempotent request")
-                execution.report(Outcome.AMBIGUOUS)
+            except Exception as error:
+                raised = error
+                if not capture.started:
+                    # The app's own failure answer, as it sends it without a key, is the
+                    # answer of record (contract: a handler that raises).
+                    try:
+                        await send_app_failure(inner_scope, receive, capture.send, error)
+                        rendered = True
+                    except Exception:
+                        # No answer at all: settled below as any answer that never came.
+                        log.exception("the app's error handler failed as well")
         if not capture.complete:
             # No full answer came back: the upstream may have acted on the request.
             execution.report(Outcome.AMBIGUOUS)
-        status = classify(capture.status or 500, execution.outcome, request.config)
+        status = (
+            Status.FAILED_FINAL
+            if rendered and capture.complete
+            else classify(capture.status or 500, execution.outcome, request.config)
+        )
         answer = self._answer_to_store(request, capture, status)
         recorded, published = await self._record(request, run, status, answer)
         replayed = False
@@ -290,6 +306,8 @@ class IdempotencyEngine:
         # Waiters re-read the store whatever happened (even a fenced finalize is news); waking
         # them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
+        if raised is not None:
+            raise raised  # the server logs it, as it does for a request without a key
 
     @staticmethod
     def _answer_to_store(

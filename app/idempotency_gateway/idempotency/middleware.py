@@ -43,6 +43,7 @@ from idempotency_gateway.errors import (
     StoreUnavailable,
 )
 from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
+from idempotency_gateway.idempotency.endpoints import RouteMarkers
 from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedRequest
 from idempotency_gateway.idempotency.fingerprint import fingerprint, request_hash
 from idempotency_gateway.idempotency.keys import (
@@ -62,6 +63,7 @@ from idempotency_gateway.problems import send_problem
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.target import RequestTarget, target_or_refuse
 from idempotency_gateway.telemetry.request_log import (
+    AccessLogMiddleware,
     RequestOutcome,
     note_outcome,
     request_log_of,
@@ -89,7 +91,9 @@ class IdempotencyMiddleware:
             serves the same keys.
         policy: which requests are covered, and how: one ``IdempotencyConfig`` for every path,
             a ``{path_prefix: IdempotencyConfig}`` mapping, or a function of the canonical
-            path returning a ``RoutePolicy`` or ``None`` (``PolicySource``).
+            path returning a ``RoutePolicy`` or ``None`` (``PolicySource``). An endpoint
+            marked ``Depends(idempotent(...))`` (``idempotency.endpoints``) is covered by
+            its marker's config whatever ``policy`` says; ``None``: markers only.
         cache: the replay fast path; ``None`` is an in-process LRU sized like the gateway's
             ``cache`` section (pass a ``RedisCache`` to share it across processes).
         wakeups: how ``Prefer: wait`` duplicates learn their owner finished; ``None`` wakes
@@ -105,6 +109,9 @@ class IdempotencyMiddleware:
         finalize_attempts: the fewest tries at recording an outcome while the store does
             not answer; tries go on until the owner's lease runs out. An answer that could
             not be recorded is withheld from the client (its retry gets the answer of record).
+        request_log: give each request an ``X-Request-Id``, an access log line and the
+            gateway's request metrics (labelled by route), as the gateway does; a request
+            that already carries them (inside the gateway) is left as it is.
     """
 
     def __init__(
@@ -112,7 +119,7 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         *,
         store: RecordStore,
-        policy: PolicySource,
+        policy: PolicySource | None = None,
         cache: ReplayCache | None = None,
         wakeups: Wakeups | None = None,
         scope_secret: bytes | str,
@@ -121,9 +128,14 @@ class IdempotencyMiddleware:
         max_request_body: int = _LIMITS.max_request_body,
         store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE,
         finalize_attempts: int = _STORE.finalize_attempts,
+        request_log: bool = True,
     ) -> None:
         self.app = app
-        self.policy_for = resolver_for(policy)
+        self.policy_for = resolver_for(policy) if policy is not None else None
+        self.route_markers = RouteMarkers()
+        # Library mode's access log: failures are the app's to answer (it re-raises them).
+        self.access_log = AccessLogMiddleware(self._dispatch, render_failures=False)
+        self.request_log = request_log
         self.scope_secret = scope_secret.encode() if isinstance(scope_secret, str) else scope_secret
         self.scope_headers = tuple(name.lower().encode("ascii") for name in scope_headers)
         self.header_display_name = header_name
@@ -160,11 +172,23 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.request_log and request_log_of(scope) is None:
+            await self.access_log(scope, receive, send)
+            return
+        await self._dispatch(scope, receive, send)
+
+    def _policy(self, scope: Scope, target: RequestTarget) -> RoutePolicy | None:
+        marked = self.route_markers(scope)
+        if marked is not None or self.policy_for is None:
+            return marked
+        return self.policy_for(target)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = await target_or_refuse(scope, send)
         if target is None:
             note_outcome(scope, RequestOutcome.REJECTED)
             return
-        policy = self.policy_for(target)
+        policy = self._policy(scope, target)
         if policy is None or not policy.covers(scope["method"]):
             await self.app(scope, receive, send)
             return

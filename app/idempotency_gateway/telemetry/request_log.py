@@ -81,8 +81,13 @@ _durations = Children(REQUEST_DURATION)
 
 
 class AccessLogMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
+    """``render_failures``: a failure no layer expected becomes a 500 problem here (the
+    gateway); ``False`` leaves it to the layers outside (an app's own server error handler),
+    counted as a 500."""
+
+    def __init__(self, app: ASGIApp, *, render_failures: bool = True) -> None:
         self.app = app
+        self.render_failures = render_failures
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -109,6 +114,9 @@ class AccessLogMiddleware:
         except Exception:
             if entry.status is not None:
                 raise  # a head went out: nothing can replace it, the answer is cut short
+            if not self.render_failures:
+                entry.status = 500
+                raise
             # Outermost layer: a failure no layer expected becomes a problem like any other,
             # never the server's plain-text page.
             _log.exception("unexpected error while handling a request")
