@@ -54,6 +54,9 @@ def route(
     return entry
 
 
+TEST_KEEPALIVE = "2s"
+
+
 def gateway_config(
     upstream_url: str,
     *,
@@ -81,6 +84,9 @@ def gateway_config(
         # only slow every stop down. Tests of the drain itself set their own.
         "lifecycle": {"drain_grace": "0s"},
         **settings,
+        # Raw-socket tests read until the gateway closes an idle connection: the default
+        # keep-alive (75 s, for load balancers) would hold each of them that long.
+        "limits": {"keepalive_timeout": TEST_KEEPALIVE, **settings.get("limits", {})},
     }
     return validate_config(data, source="test")
 
