@@ -146,38 +146,32 @@ class ResilientUpstream:
         self.budget.record_request()
         retry_slot = RetrySlot(self.bulkhead)
         try:
-            return await self._attempts_until_answer(
-                make_request, deadline, plan, request_log, retry_slot, execution
-            )
+            attempt = 0
+            while True:
+                attempt += 1
+                span = tracing.attempt_span(self.name, attempt)
+                try:
+                    response = await self._attempt(
+                        attempt,
+                        make_request,
+                        deadline,
+                        plan,
+                        request_log,
+                        retry_slot,
+                        execution,
+                        span,
+                    )
+                except Exception as error:
+                    if span is not None:
+                        span.fail(error)
+                    raise
+                finally:
+                    if span is not None:
+                        span.end()
+                if response is not None:
+                    return response
         finally:
             retry_slot.give_back()
-
-    async def _attempts_until_answer(
-        self,
-        make_request: RequestFactory,
-        deadline: Deadline,
-        plan: RetryPlan,
-        request_log: RequestLog | None,
-        retry_slot: RetrySlot,
-        execution: Execution | None,
-    ) -> UpstreamResponse:
-        attempt = 0
-        while True:
-            attempt += 1
-            span = tracing.attempt_span(self.name, attempt)
-            try:
-                response = await self._attempt(
-                    attempt, make_request, deadline, plan, request_log, retry_slot, execution, span
-                )
-            except Exception as error:
-                if span is not None:
-                    span.fail(error)
-                raise
-            finally:
-                if span is not None:
-                    span.end()
-            if response is not None:
-                return response
 
     async def _attempt(
         self,
