@@ -6,7 +6,8 @@ exported when it ends). Proves the span tree of a keyed request whose first atte
 503 and is retried (server span, store statements, cache calls, one client span per attempt
 with the breaker's and the retry loop's decisions as events), that the upstream receives the
 attempt's own ``traceparent`` and that a caller's ``traceparent`` is continued, that a replay
-has no upstream span, and that a gateway with tracing off never imports OpenTelemetry.
+has no upstream span, that a request sampled out opens no span at all (and sends no
+``traceparent``), and that a gateway with tracing off never imports OpenTelemetry.
 """
 
 from __future__ import annotations
@@ -229,6 +230,28 @@ async def test_a_replay_is_answered_from_the_cache_with_no_upstream_span(
     assert spans[0].attributes is not None
     assert spans[0].attributes["gateway.outcome"] == "replayed"
     assert spans[0].attributes["gateway.attempts"] == 0
+
+
+async def test_a_request_sampled_out_opens_no_span_and_sends_no_traceparent(
+    upstream: RecordingUpstream, postgres_url: str, redis_url: str
+) -> None:
+    exporter = InMemorySpanExporter()
+    config = keyed_gateway_config(
+        upstream.url, tracing={"enabled": True, "service_name": SERVICE, "sample_ratio": 0.0}
+    )
+    async with running_gateway(
+        config,
+        database_url=postgres_url,
+        redis_url=redis_url,
+        span_processor=SimpleSpanProcessor(exporter),
+    ) as gateway:
+        response = await send_keyed(gateway.client, f"trace-{uuid.uuid4()}")
+        assert response.status_code == 201, response.text
+    # Shut down: every span that ended was exported; the store, cache and attempt hooks
+    # opened none under the request's non-recording span.
+    assert exporter.get_finished_spans() == ()
+    (execution,) = upstream.executions
+    assert "traceparent" not in execution.headers
 
 
 # Serves one keyed request with tracing off, noting every package that asks for an
