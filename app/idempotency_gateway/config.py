@@ -463,6 +463,20 @@ class SweeperConfig(_Model):
     batch_size: int = Field(1000, ge=1, le=100_000)
 
 
+class TracingConfig(_Model):
+    """OpenTelemetry traces, exported by OTLP over HTTP (``docs/tracing.md``); needs the
+    ``tracing`` extra. Off, the gateway imports nothing of OpenTelemetry. Where spans go is
+    the standard ``OTEL_EXPORTER_OTLP_*`` variables' business; ``OTEL_RESOURCE_ATTRIBUTES``
+    adds to the resource."""
+
+    enabled: bool = False
+    # ``None``: ``OTEL_SERVICE_NAME`` when set, else ``idempotency-gateway``.
+    service_name: str | None = Field(None, min_length=1, max_length=200)
+    # The share of new traces recorded; a request that arrives with a ``traceparent``
+    # follows its caller's sampling decision.
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+
+
 class StoreConfig(_Model):
     pool_size: int = Field(10, ge=1, le=1000)
     # Request-path connections opened at startup and kept (PostgreSQL): at the server's
@@ -505,6 +519,7 @@ class GatewayConfig(_Model):
     store: StoreConfig = StoreConfig()
     cache: CacheConfig = CacheConfig()
     sweeper: SweeperConfig = SweeperConfig()
+    tracing: TracingConfig = TracingConfig()
     lifecycle: LifecycleConfig = LifecycleConfig()
     store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE
     idempotency_header: HeaderName = DEFAULT_IDEMPOTENCY_HEADER

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 from redis.asyncio import RedisCluster
@@ -55,6 +56,7 @@ from idempotency_gateway.resilience.bulkhead import publish_every
 from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
 from idempotency_gateway.routing import RouteRequests, check_routes
 from idempotency_gateway.server.heap import settle_after_startup
+from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.loop_lag import LoopLagMonitor
 from idempotency_gateway.telemetry.metrics import (
     BREAKER_STATE,
@@ -63,6 +65,9 @@ from idempotency_gateway.telemetry.metrics import (
 )
 from idempotency_gateway.telemetry.request_log import AccessLogMiddleware
 from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +125,9 @@ class Gateway:
         scope_secret: the key of the scope hashes (``resolve_scope_secret`` says what
             ``None`` means for each database).
         drain: the drain flag shared by this process's workers (``/readyz`` fails while set).
+        span_processor: where spans go when the config turns ``tracing`` on; ``None`` is
+            OTLP over HTTP (``docs/tracing.md``). Tracing is per process: the gateway started
+            last in a process traces it.
     """
 
     def __init__(
@@ -133,12 +141,14 @@ class Gateway:
         scope_secret: SecretStr | None = None,
         drain: DrainState | None = None,
         settle_heap: bool = False,
+        span_processor: SpanProcessor | None = None,
     ) -> None:
         """``settle_heap``: once started, freeze the heap out of the garbage collector's way
         (``server.heap``); for a process that serves this gateway alone, as ``serve`` does."""
         check_routes(config.routes, source="config")
         self.config = config
         self.settle_heap = settle_heap
+        self.span_processor = span_processor
         self.drain = drain or DrainState()
         self.database_url = database_url_or_default(database_url)
         secret = resolve_scope_secret(scope_secret, self.database_url)
@@ -218,6 +228,8 @@ class Gateway:
         await self.app(scope, receive, send)
 
     async def startup(self) -> None:
+        if self.config.tracing.enabled:
+            tracing.enable(self.config.tracing, span_processor=self.span_processor)
         if self.store.engine.dialect.name == "sqlite":
             # The embedded store belongs to this gateway alone: keep its schema current.
             await upgrade_to_head_async(self.database_url)
@@ -256,6 +268,8 @@ class Gateway:
         await self.wakeups.close()
         await self.cache.close()
         await self.store.close()
+        if self.config.tracing.enabled:
+            tracing.disable()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 from pydantic import SecretStr
@@ -26,6 +26,9 @@ from pydantic import SecretStr
 from idempotency_gateway.config import GatewayConfig, validate_config
 from idempotency_gateway.main import Gateway, create_gateway
 from tests.support.servers import TEST_SCOPE_SECRET, free_port, serve_asgi
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor
 
 PRIMARY = "primary"
 # What ``idempotency-gateway serve`` tells uvicorn (app/cli.py): the gateway alone decides
@@ -106,15 +109,21 @@ class RunningGateway:
 
 @contextlib.asynccontextmanager
 async def running_gateway(
-    config: GatewayConfig, *, database_url: str, redis_url: str | None = None
+    config: GatewayConfig,
+    *,
+    database_url: str,
+    redis_url: str | None = None,
+    span_processor: SpanProcessor | None = None,
 ) -> AsyncIterator[RunningGateway]:
     """Build the gateway with ``create_gateway`` and serve it (lifespan on) over loopback;
-    with ``redis_url`` its replay cache and wake-ups are Redis, else in-process."""
+    with ``redis_url`` its replay cache and wake-ups are Redis, else in-process.
+    ``span_processor``: where its spans go when ``config`` turns tracing on."""
     gateway = create_gateway(
         config,
         database_url=database_url,
         redis_url=redis_url,
         scope_secret=SecretStr(TEST_SCOPE_SECRET),
+        span_processor=span_processor,
     )
     async with (
         serve_asgi(gateway, **CLI_SERVER_OPTIONS) as url,

@@ -38,6 +38,8 @@ from idempotency_gateway.idempotency.store import (
 
 log = logging.getLogger(__name__)
 
+SYSTEM = "postgresql"
+
 
 async def _keep_session(_connection: asyncpg.Connection) -> None:
     """Release without asyncpg's default reset (advisory unlock, CLOSE ALL, UNLISTEN, RESET
@@ -66,7 +68,7 @@ class PostgresRecordStore(RecordStore):
         connection limit the request path holds its connections first. A database that does
         not answer yet leaves the pool to be built on first use."""
         try:
-            with store_errors("connect"):
+            with store_errors("connect", SYSTEM):
                 await self._get_pool()
         except StoreUnavailable as error:
             log.warning("the request path's store pool will open on first use: %s", error)
@@ -97,7 +99,7 @@ class PostgresRecordStore(RecordStore):
 
     @asynccontextmanager
     async def _pg(self, operation: str) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
-        with store_errors(operation):
+        with store_errors(operation, SYSTEM):
             pool = await self._get_pool()
             # asyncio.timeout rather than acquire(timeout=...): asyncpg applies that one with
             # wait_for, a task of its own per acquire, twice per new key.

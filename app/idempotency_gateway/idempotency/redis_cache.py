@@ -35,6 +35,7 @@ from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.redis_connection import RedisClient
 from idempotency_gateway.idempotency.redis_direct import DirectCommands
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, Children
 
@@ -103,9 +104,13 @@ class RedisCache:
     async def _guarded(self, operation: str, call: Callable[[], Awaitable[T]]) -> T | _Failed:
         """Run one Redis call under the breaker and a timeout; a failure is a value, never an
         exception, because the cache must never fail a request."""
+        span = tracing.cache_span(operation)
         try:
             permit = self.breaker.acquire()
         except CircuitOpen:
+            if span is not None:
+                span.event("breaker.open", {"gateway.skipped": True})
+                span.end()
             return FAILED
         started = time.perf_counter()
         succeeded = False
@@ -115,6 +120,8 @@ class RedisCache:
             succeeded = True
         except Exception as exc:  # any failure of the fast path is a miss, never a 500
             self.degradation.failed(exc)
+            if span is not None:
+                span.fail(exc)
             return FAILED
         finally:
             _cache_latency(operation).observe(time.perf_counter() - started)
@@ -122,6 +129,8 @@ class RedisCache:
             # reported would hold the breaker's only permit and refuse Redis for good. A
             # cancelled call counts as failed because nothing proved Redis healthy.
             self.breaker.record(permit, failure=not succeeded)
+            if span is not None:
+                span.end()
         return result
 
     async def _get(self, name: str) -> Any:

@@ -107,7 +107,7 @@ class SqliteRecordStore(RecordStore):
         return self._db
 
     async def _run(self, operation: str, work: Callable[[sqlite3.Connection], T]) -> T:
-        with store_errors(operation):
+        with store_errors(operation, "sqlite"):
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._thread, lambda: work(self._opened()))
 

@@ -58,6 +58,7 @@ from idempotency_gateway.errors import StoreReadOnly, StoreUnavailable
 from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
+from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY, Children
 
 # Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
@@ -286,25 +287,31 @@ def _unavailable(exc: BaseException) -> StoreUnavailable:
 
 
 @contextmanager
-def store_errors(operation: str) -> Iterator[None]:
+def store_errors(operation: str, system: str) -> Iterator[None]:
     """The one place where driver and pool errors become ``StoreUnavailable``, for every
-    backend and the admin paths too; every statement's latency and failures are measured
-    here as well."""
+    backend and the admin paths too; every statement's latency and failures are measured,
+    and traced (``system``: ``postgresql`` or ``sqlite``), here as well."""
+    span = tracing.store_span(operation, system)
     started = time.perf_counter()
     try:
         yield
     except _DRIVER_ERRORS as exc:
         _store_errors(operation).inc()
-        raise _unavailable(exc) from exc
+        error = _unavailable(exc)
+        if span is not None:
+            span.fail(error)
+        raise error from exc
     finally:
         _store_latency(operation).observe(time.perf_counter() - started)
+        if span is not None:
+            span.end()
 
 
 @asynccontextmanager
 async def store_connection(engine: AsyncEngine, operation: str) -> AsyncIterator[AsyncConnection]:
     """A connection for one SQLAlchemy-side operation (admin, sweep, operator tables), its
     errors translated and measured by ``store_errors``."""
-    with store_errors(operation):
+    with store_errors(operation, engine.dialect.name):
         async with engine.connect() as connection:
             yield connection
 

@@ -39,6 +39,7 @@ from idempotency_gateway.resilience.backoff import parse_retry_after, pause_befo
 from idempotency_gateway.resilience.breaker import CircuitBreaker, TransitionListener
 from idempotency_gateway.resilience.budget import RetryBudget
 from idempotency_gateway.resilience.bulkhead import Bulkhead, BulkheadKind, RetrySlot
+from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.metrics import (
     RETRY_BUDGET_EXHAUSTED,
     UPSTREAM_ATTEMPT_DURATION,
@@ -145,77 +146,116 @@ class ResilientUpstream:
         self.budget.record_request()
         retry_slot = RetrySlot(self.bulkhead)
         try:
-            return await self._attempts_until_answer(
-                make_request, deadline, plan, request_log, retry_slot, execution
-            )
+            attempt = 0
+            while True:
+                attempt += 1
+                span = tracing.attempt_span(self.name, attempt)
+                try:
+                    response = await self._attempt(
+                        attempt,
+                        make_request,
+                        deadline,
+                        plan,
+                        request_log,
+                        retry_slot,
+                        execution,
+                        span,
+                    )
+                except Exception as error:
+                    if span is not None:
+                        span.fail(error)
+                    raise
+                finally:
+                    if span is not None:
+                        span.end()
+                if response is not None:
+                    return response
         finally:
             retry_slot.give_back()
 
-    async def _attempts_until_answer(
+    async def _attempt(
         self,
+        attempt: int,
         make_request: RequestFactory,
         deadline: Deadline,
         plan: RetryPlan,
         request_log: RequestLog | None,
         retry_slot: RetrySlot,
         execution: Execution | None,
-    ) -> UpstreamResponse:
-        attempt = 0
-        while True:
-            attempt += 1
-            time_left = deadline.remaining()
-            if time_left < MIN_ATTEMPT_TIME:
-                raise DeadlineExhausted(
-                    f"the request's deadline ran out before attempt {attempt} to {self.name!r}"
-                )
+        span: tracing.Span | None,
+    ) -> UpstreamResponse | None:
+        """One attempt and the decision after it: the answer to give, ``None`` to try again
+        (after the pause), or the failure that ends the loop. ``span``: the attempt's span
+        (tracing on), which lasts until the next attempt starts: the pause is part of it."""
+        time_left = deadline.remaining()
+        if time_left < MIN_ATTEMPT_TIME:
+            raise DeadlineExhausted(
+                f"the request's deadline ran out before attempt {attempt} to {self.name!r}"
+            )
+        try:
+            trial = self.breaker.trial()
+        except CircuitOpen:
+            self._attempts(self.name, "circuit_open").inc()
+            if span is not None:
+                span.event("breaker.open", {"gateway.attempt": attempt})
+            raise
+        if request_log is not None:
+            request_log.attempts = attempt
+        head_within = min(self.per_try, time_left)
+        request = make_request(head_within)
+        if span is not None:
+            span.set("http.request.method", request.method)
+            span.inject(request.headers)
+        started = time.perf_counter()
+        # Any exit without a verdict (cancellation above all) hands the permit back.
+        with trial:
             try:
-                trial = self.breaker.trial()
-            except CircuitOpen:
-                self._attempts(self.name, "circuit_open").inc()
-                raise
-            if request_log is not None:
-                request_log.attempts = attempt
-            head_within = min(self.per_try, time_left)
-            started = time.perf_counter()
-            # Any exit without a verdict (cancellation above all) hands the permit back.
-            with trial:
-                try:
-                    response = await self.client.open(
-                        make_request(head_within), head_within=head_within, execution=execution
-                    )
-                except UpstreamError as error:
-                    trial.settle(failure=self._error_is_failure(error))
-                    self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
-                    reason = self._why_not_retry_error(error, plan)
-                    if reason is None:
-                        reason = await self._pause_before_retry(
-                            attempt, None, deadline, retry_slot, str(error), execution=execution
-                        )
-                    if reason is not None:
-                        self._log_final(attempt, type(error).__name__, reason)
-                        raise
-                    continue
-                trial.settle(failure=self._status_is_failure(response.status))
-            self._measure(started, f"{response.status // 100}xx")
-            reason = self._why_not_retry_status(response.status, plan)
-            if reason is None:
-                retry_after = parse_retry_after(response.header("retry-after"))
-                reason = await self._pause_before_retry(
-                    attempt,
-                    retry_after,
-                    deadline,
-                    retry_slot,
-                    f"status {response.status}",
-                    response,
-                    execution=execution,
+                response = await self.client.open(
+                    request, head_within=head_within, execution=execution
                 )
-            if reason is not None:
-                # Plain answers (2xx, 404) need no explanation; a retryable status that was
-                # not retried (429 past the deadline, budget spent) does.
-                status = response.status
-                if attempt > 1 or status >= 500 or status in self.retry.retry_statuses:
-                    self._log_final(attempt, f"status {status}", reason)
-                return response
+            except UpstreamError as error:
+                failure = self._error_is_failure(error)
+                trial.settle(failure=failure)
+                self._measure(started, _ERROR_RESULTS.get(type(error), "error"))
+                if span is not None:
+                    span.set("error.type", type(error).__name__)
+                    span.event("breaker.verdict", {"gateway.failure": failure})
+                reason = self._why_not_retry_error(error, plan)
+                if reason is None:
+                    reason = await self._pause_before_retry(
+                        attempt, None, deadline, retry_slot, str(error), span, execution=execution
+                    )
+                if reason is not None:
+                    self._log_final(attempt, type(error).__name__, reason, span)
+                    raise
+                return None
+            failure = self._status_is_failure(response.status)
+            trial.settle(failure=failure)
+        self._measure(started, f"{response.status // 100}xx")
+        if span is not None:
+            span.set("http.response.status_code", response.status)
+            span.event("breaker.verdict", {"gateway.failure": failure})
+        reason = self._why_not_retry_status(response.status, plan)
+        if reason is None:
+            retry_after = parse_retry_after(response.header("retry-after"))
+            reason = await self._pause_before_retry(
+                attempt,
+                retry_after,
+                deadline,
+                retry_slot,
+                f"status {response.status}",
+                span,
+                response,
+                execution=execution,
+            )
+        if reason is None:
+            return None
+        # Plain answers (2xx, 404) need no explanation; a retryable status that was not
+        # retried (429 past the deadline, budget spent) does.
+        status = response.status
+        if attempt > 1 or status >= 500 or status in self.retry.retry_statuses:
+            self._log_final(attempt, f"status {status}", reason, span)
+        return response
 
     def _why_not_retry_error(self, error: UpstreamError, plan: RetryPlan) -> str | None:
         if isinstance(error, UpstreamRequestRefused):
@@ -248,6 +288,7 @@ class ResilientUpstream:
         deadline: Deadline,
         retry_slot: RetrySlot,
         cause: str,
+        span: tracing.Span | None,
         response: UpstreamResponse | None = None,
         *,
         execution: Execution | None,
@@ -282,6 +323,8 @@ class ResilientUpstream:
             self.retry.max_attempts,
             delay,
         )
+        if span is not None:
+            span.event("retry", {"gateway.cause": cause, "gateway.delay": round(delay, 6)})
         await self._sleep(delay)
         if execution is not None:
             await execution.confirm(fresh=True)
@@ -291,7 +334,11 @@ class ResilientUpstream:
         self._attempt_duration.observe(time.perf_counter() - started)
         self._attempts(self.name, result).inc()
 
-    def _log_final(self, attempts: int, outcome: str, reason: str) -> None:
+    def _log_final(
+        self, attempts: int, outcome: str, reason: str, span: tracing.Span | None
+    ) -> None:
+        if span is not None:
+            span.event("retry.declined", {"gateway.reason": reason})
         log.info(
             "not retrying upstream %s after %s (%d attempts): %s",
             self.name,

@@ -19,6 +19,7 @@ from idempotency_gateway.asgi import ASGIApp, Message, Receive, Scope, Send
 from idempotency_gateway.errors import UnexpectedError
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.request_id import REQUEST_ID_HEADER, ensure_request_id
+from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.logs import current_request_id
 from idempotency_gateway.telemetry.metrics import REQUEST_DURATION, REQUESTS, Children
 
@@ -97,6 +98,7 @@ class AccessLogMiddleware:
         entry = RequestLog(request_id.decode("ascii"), scope["method"], scope["path"])
         scope.setdefault("state", {})[STATE_KEY] = entry
         context = current_request_id.set(entry.request_id)
+        span = tracing.request_span(scope)
         started = time.perf_counter()
 
         async def send_noting_status(message: Message) -> None:
@@ -128,7 +130,24 @@ class AccessLogMiddleware:
             _requests(entry.route, entry.outcome, status_class(entry.status)).inc()
             _durations(entry.route, entry.outcome).observe(elapsed)
             write_access_line(entry)
+            if span is not None:
+                end_request_span(span, entry)
             current_request_id.reset(context)
+
+
+def end_request_span(span: tracing.Span, entry: RequestLog) -> None:
+    """What the log line says, on the request's span: route, outcome, status, attempts."""
+    span.rename(f"{entry.method} {entry.route}")
+    span.set("http.route", entry.route)
+    span.set("gateway.outcome", entry.outcome.value)
+    span.set("gateway.attempts", entry.attempts)
+    if entry.upstream is not None:
+        span.set("gateway.upstream", entry.upstream)
+    if entry.status is not None:
+        span.set("http.response.status_code", entry.status)
+        if entry.status >= 500:
+            span.fail(f"answered {entry.status}")
+    span.end()
 
 
 def write_access_line(entry: RequestLog) -> None:
