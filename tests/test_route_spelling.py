@@ -65,7 +65,7 @@ def test_folding_keeps_distinct_octets_apart() -> None:
         ("/v1/charges.", "/v1/charges"),
         ("/v1/Charges.JSON;x=1", "/v1/charges"),
         ("/v1/charges/ch_1.xml", "/v1/charges/ch_1"),
-        ("/v1/charges.json/", "/v1/charges/"),  # Rails drops the trailing slash
+        ("/v1/charges.json/", "/v1/charges"),  # Rails drops the trailing slash
         ("/v1/.well-known", "/v1/.well-known"),  # a leading dot is no suffix
         ("/v1/a.b/c", "/v1/a.b/c"),  # only the last segment
     ],
@@ -108,6 +108,10 @@ def test_the_operation_is_named_in_the_routes_spelling() -> None:
         "exact", IdempotencyConfig(), RouteMatch(path_prefix="/", case_sensitive=True)
     )
     assert exact.operation("POST", RequestTarget(b"/V1/Charges", b"")) == "POST /V1/Charges"
+    # Express, Rails and ASP.NET Core run /v1/charges/ as /v1/charges, whatever the case rule.
+    assert exact.operation("POST", RequestTarget(b"/V1/Charges/", b"")) == "POST /V1/Charges"
+    assert exact.operation("POST", RequestTarget(b"/v1/charges/;x", b"")) == "POST /v1/charges"
+    assert exact.operation("POST", RequestTarget(b"/", b"")) == "POST /"
 
 
 def test_a_library_users_prefix_map_matches_every_case() -> None:
@@ -219,7 +223,14 @@ async def test_one_key_in_several_spellings_executes_once(
     assert first.status_code == 201
     again = await gateway.client.post("/v1/charges", json=CHARGE, headers=headers)
     assert again.headers["idempotent-replayed"] == "true"
-    for path in ("/V1/Charges", "/v1/charges.json", "/v1/CHARGES."):
+    for path in (
+        "/V1/Charges",
+        "/v1/charges.json",
+        "/v1/CHARGES.",
+        "/v1/charges/",
+        "/v1/charges.json/",
+        "/v1/charges/;jsessionid=1",
+    ):
         other = await gateway.client.post(path, json=CHARGE, headers=headers)
         # One operation: the record of the first; the path as sent differs, so a 422.
         assert other.status_code == 422, path
