@@ -45,6 +45,7 @@ def _route(prefix: str, *, name: str | None = None, **match: Any) -> dict[str, A
         ("/v1/%E2%84%AA", "/v1/k"),  # the Kelvin sign folds to k
         ("/v1/%C4%B1nvoices", "/v1/invoices"),  # ASP.NET and Java read the dotless i as I
         ("/v1/%C5%BFessions", "/v1/sessions"),  # and the long s as S
+        ("/v1/%C4%B0nvoices", "/v1/invoices"),  # Java's lower case of the dotted I is i
         ("/v1/A%3AB", "/v1/a%3Ab"),  # an encoded ASCII octet keeps its hex
         ("/v1/%FF%C3", "/v1/%FF%C3"),  # octets that are not UTF-8 stay as they are
     ],

@@ -27,6 +27,7 @@ _ESCAPE = re.compile(r"%[0-9a-f]{2}")
 _NON_ASCII = re.compile(r"(?:%[89A-F][0-9A-F])+")
 # The last segment's format suffix: from its first dot on, when something comes before it;
 # a trailing slash after it stays (Rails routes /v1/charges.json/ as /v1/charges.json).
+_DOTTED_CAPITAL_I = "\u0130"
 _FORMAT_SUFFIX = re.compile(r"(?<=[^/])\.[^/]*(?=/?$)")
 
 
@@ -48,7 +49,10 @@ def _folded_octets(match: re.Match[str]) -> str:
     text = unquote_to_bytes(match.group()).decode("utf-8", "surrogateescape")
     # Upper-cased first: .NET's OrdinalIgnoreCase and Java's equalsIgnoreCase compare upper
     # cases, where the dotless i and the long s are I and S; casefold alone keeps them apart.
-    return quote(text.upper().casefold().encode("utf-8", "surrogateescape"), safe="")
+    # Java then compares the lower cases of those, where the dotted capital I is i: casefold
+    # makes it i and a combining dot, another path.
+    upper = text.upper().replace(_DOTTED_CAPITAL_I, "I")
+    return quote(upper.casefold().encode("utf-8", "surrogateescape"), safe="")
 
 
 def folded(path: str) -> str:
