@@ -27,6 +27,7 @@ from idempotency_gateway.config import (
     RouteMatch,
 )
 from idempotency_gateway.errors import CapacityExhausted
+from idempotency_gateway.problems import send_problem
 from idempotency_gateway.resilience.bulkhead import Bulkhead, BulkheadKind, RetrySlot
 from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
 from idempotency_gateway.target import STATE_KEY, RequestTarget
@@ -234,7 +235,7 @@ def test_the_config_refuses_unknown_tiers_and_queues_that_outlast_the_deadline(
     assert message in str(refused.value)
 
 
-async def test_the_layer_answers_a_refusal_in_the_routes_error_format_and_frees_slots() -> None:
+async def test_the_layer_takes_slots_with_the_body_and_frees_them() -> None:
     route = RouteConfig(
         name="exports",
         match=RouteMatch(path_prefix="/"),
@@ -248,6 +249,11 @@ async def test_the_layer_answers_a_refusal_in_the_routes_error_format_and_frees_
     entered, leave = asyncio.Event(), asyncio.Event()
 
     async def held_app(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await receive()  # the slots are taken with the body's last part
+        except CapacityExhausted as error:
+            await send_problem(send, error, request_id=None, error_format=ErrorFormat.STRIPE)
+            return
         entered.set()
         await leave.wait()
 

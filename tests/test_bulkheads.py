@@ -34,7 +34,7 @@ import pytest
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.store import RecordStore
 from tests.support.gateway import PRIMARY, GatewayLauncher, gateway_config, route
-from tests.support.keyed import record_key, send_keyed
+from tests.support.keyed import AUTHORIZATION, record_key, send_keyed
 from tests.support.problems import assert_problem
 from tests.support.servers import GatewayProcess, write_config
 from tests.support.upstream import RecordingUpstream
@@ -244,3 +244,43 @@ async def test_a_retry_needs_a_free_slot_of_the_upstreams_bulkhead(
     assert upstream.count(key) == attempts
     # One slot: the request holds it, so its 503 is passed on rather than retried.
     assert response.status_code == (503 if attempts == 1 else 201)
+
+
+async def test_a_client_trickling_its_body_in_holds_no_slot(
+    upstream: RecordingUpstream, postgres_url: str
+) -> None:
+    config = gateway_config(
+        upstream.url,
+        upstreams={PRIMARY: {"url": upstream.url, "bulkhead": {"max_concurrent": 1}}},
+        routes=[route("/", key="required")],
+    )
+    slow_key, key = new_key(), new_key()
+    body = b'{"amount": 100}'
+    head = (
+        f"POST {CHARGES} HTTP/1.1\r\nHost: gateway.test\r\nIdempotency-Key: {slow_key}\r\n"
+        f"Authorization: {AUTHORIZATION}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n"
+    ).encode()
+    async with GatewayLauncher() as gateways:
+        gateway = await gateways.start(config, database_url=postgres_url)
+        slots = gateway.app.upstreams[PRIMARY].bulkhead
+        assert slots is not None
+        host, port = gateway.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + body[:1])
+        # The gateway asks for the body once a layer reads it: the head went through routing
+        # and the bulkhead layer, and the body is still on its way.
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+        assert interim.startswith(b"HTTP/1.1 100")
+        in_flight_while_trickling = slots.in_flight
+        # The only slot is free for a client whose body is whole.
+        other = await send_keyed(gateway.client, key)
+        writer.write(body[1:])
+        slow = await asyncio.wait_for(reader.read(), 10.0)
+        writer.close()
+        await eventually(lambda: slots.in_flight == 0)
+
+    assert in_flight_while_trickling == 0
+    assert other.status_code == 201, other.text
+    assert slow.startswith(b"HTTP/1.1 201")
+    assert upstream.count(slow_key) == upstream.count(key) == 1

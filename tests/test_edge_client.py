@@ -176,6 +176,22 @@ async def test_a_transfer_coding_other_than_a_lone_chunked_is_refused(
     assert upstream.count(key) == 1
 
 
+async def test_an_http10_request_with_a_transfer_coding_is_refused(
+    gateway: GatewayProcess, upstream: RecordingUpstream
+) -> None:
+    # HTTP/1.0 has no transfer codings (RFC 9112 section 6.1): an HTTP/1.0 intermediary in
+    # front reads no body here, and the chunk data, a whole keyed request, as its next one.
+    key, smuggled_key = new_key(), new_key()
+    smuggled = request("POST", CHARGES, [("Idempotency-Key", smuggled_key)], b"{}")
+    head = chunked_head(CHARGES, [("Idempotency-Key", key)]).replace(b"HTTP/1.1", b"HTTP/1.0")
+
+    reply = parse_reply(await exchange(gateway.port, head + chunked_body(smuggled)))
+
+    assert_closing_problem(reply, 400, "malformed-request")
+    assert "HTTP/1.0" in json.loads(reply.body)["detail"]
+    assert upstream.count(key) == upstream.count(smuggled_key) == 0
+
+
 # -------------------------------------------------------------------------------- Host
 
 NOT_AN_AUTHORITY = [

@@ -316,3 +316,25 @@ def test_a_trailer_field_that_never_ends_is_cut_at_once(
     assert (replay.status_code, problem_slug(replay.content)) == (504, "outcome-unknown")
     # Cut by the bound as the field arrived, not by the silence of timeouts.per_try.
     assert "chunk framing or trailer fields" in caplog.text
+
+
+def test_the_gateways_own_answer_fields_from_the_upstream_are_dropped(
+    hostile: HostileUpstreamGateway, client: httpx.Client
+) -> None:
+    # An upstream keeping idempotency records of its own says so in the gateway's fields.
+    owned = [b"Idempotent-Replayed: true", b"Idempotency-Body-Omitted: true"]
+    head = _head(201, [b"Content-Length: 7", *owned])
+    hostile.answer = RawAnswer(head + b"charged", len(head), 201, b"charged", len(head) + 7)
+    key = str(uuid.uuid4())
+    first = _send(client, key)
+    replay = _send(client, key)
+
+    assert first is not None
+    assert replay is not None
+    assert (first.status_code, first.content) == (replay.status_code, replay.content)
+    assert first.content == b"charged"
+    # The first run is no replay, and its stored body was not left out.
+    assert first.headers.get_list("idempotent-replayed") == []
+    assert replay.headers.get_list("idempotent-replayed") == ["true"]
+    for response in (first, replay):
+        assert response.headers.get_list("idempotency-body-omitted") == []

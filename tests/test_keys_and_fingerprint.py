@@ -133,6 +133,19 @@ def test_a_basic_credential_cannot_be_recovered_from_its_scope_with_a_dictionary
     assert stolen not in guesses
 
 
+def test_a_credential_is_one_scope_in_every_spelling_of_its_scheme() -> None:
+    # The scheme is case-insensitive and any number of spaces may follow it (RFC 9110
+    # section 11.6.2): one client, one scope, or its retry in another spelling runs again.
+    sent_as = scope([(b"authorization", b"Bearer sk_live_1")], AUTHORIZATION)
+    for spelling in (b"bearer sk_live_1", b"BEARER sk_live_1", b"Bearer   sk_live_1"):
+        assert scope([(b"authorization", spelling)], AUTHORIZATION) == sent_as, spelling
+    # The credentials are compared as sent: another case is another client.
+    assert scope([(b"authorization", b"Bearer SK_LIVE_1")], AUTHORIZATION) != sent_as
+    assert scope([(b"stripe-account", b"acct 1")], (b"stripe-account",)) != scope(
+        [(b"stripe-account", b"Acct 1")], (b"stripe-account",)
+    )
+
+
 def test_the_deployment_secret_keys_the_scope() -> None:
     headers = [(b"authorization", b"Bearer sk_live_1")]
 

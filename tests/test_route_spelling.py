@@ -45,6 +45,7 @@ def _route(prefix: str, *, name: str | None = None, **match: Any) -> dict[str, A
         ("/v1/%E2%84%AA", "/v1/k"),  # the Kelvin sign folds to k
         ("/v1/%C4%B1nvoices", "/v1/invoices"),  # ASP.NET and Java read the dotless i as I
         ("/v1/%C5%BFessions", "/v1/sessions"),  # and the long s as S
+        ("/v1/%C4%B0nvoices", "/v1/invoices"),  # Java's lower case of the dotted I is i
         ("/v1/A%3AB", "/v1/a%3Ab"),  # an encoded ASCII octet keeps its hex
         ("/v1/%FF%C3", "/v1/%FF%C3"),  # octets that are not UTF-8 stay as they are
     ],
@@ -65,7 +66,7 @@ def test_folding_keeps_distinct_octets_apart() -> None:
         ("/v1/charges.", "/v1/charges"),
         ("/v1/Charges.JSON;x=1", "/v1/charges"),
         ("/v1/charges/ch_1.xml", "/v1/charges/ch_1"),
-        ("/v1/charges.json/", "/v1/charges/"),  # Rails drops the trailing slash
+        ("/v1/charges.json/", "/v1/charges"),  # Rails drops the trailing slash
         ("/v1/.well-known", "/v1/.well-known"),  # a leading dot is no suffix
         ("/v1/a.b/c", "/v1/a.b/c"),  # only the last segment
     ],
@@ -108,6 +109,10 @@ def test_the_operation_is_named_in_the_routes_spelling() -> None:
         "exact", IdempotencyConfig(), RouteMatch(path_prefix="/", case_sensitive=True)
     )
     assert exact.operation("POST", RequestTarget(b"/V1/Charges", b"")) == "POST /V1/Charges"
+    # Express, Rails and ASP.NET Core run /v1/charges/ as /v1/charges, whatever the case rule.
+    assert exact.operation("POST", RequestTarget(b"/V1/Charges/", b"")) == "POST /V1/Charges"
+    assert exact.operation("POST", RequestTarget(b"/v1/charges/;x", b"")) == "POST /v1/charges"
+    assert exact.operation("POST", RequestTarget(b"/", b"")) == "POST /"
 
 
 def test_a_library_users_prefix_map_matches_every_case() -> None:
@@ -219,7 +224,14 @@ async def test_one_key_in_several_spellings_executes_once(
     assert first.status_code == 201
     again = await gateway.client.post("/v1/charges", json=CHARGE, headers=headers)
     assert again.headers["idempotent-replayed"] == "true"
-    for path in ("/V1/Charges", "/v1/charges.json", "/v1/CHARGES."):
+    for path in (
+        "/V1/Charges",
+        "/v1/charges.json",
+        "/v1/CHARGES.",
+        "/v1/charges/",
+        "/v1/charges.json/",
+        "/v1/charges/;jsessionid=1",
+    ):
         other = await gateway.client.post(path, json=CHARGE, headers=headers)
         # One operation: the record of the first; the path as sent differs, so a 422.
         assert other.status_code == 422, path

@@ -2,7 +2,8 @@
 
     proxy port:  AccessLogMiddleware (request id, log line, metrics)
                    -> RouteRequests (canonical target and its route, once)
-                   -> BulkheadMiddleware (route tier and upstream slots, or a 503 at once)
+                   -> BulkheadMiddleware (route tier and upstream slots once the body is
+                      whole, or a 503)
                    -> IdempotencyMiddleware -> ProxyApp -> upstreams
     admin port:  the admin FastAPI app (health, readiness, metrics, operator API)
 

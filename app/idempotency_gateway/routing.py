@@ -3,10 +3,10 @@
 ``PrefixRouter`` matches on whole path segments: ``/v1/charges`` matches ``/v1/charges`` and
 ``/v1/charges/ch_1`` but not ``/v1/chargesX`` (a prefix that splits a segment would route by
 accident). A route matches every spelling its upstream reads as the same path (``spelled``):
-its case folded unless ``match.case_sensitive``, and format suffixes left out with
-``match.format_suffixes``. ``RouteRequests`` is the gateway's outermost routing layer: it
-canonicalizes the target, matches it, and stores both in the scope for the idempotency layer
-and the proxy.
+its case folded unless ``match.case_sensitive``, format suffixes left out with
+``match.format_suffixes``, and a trailing slash left out of the operation it is named by.
+``RouteRequests`` is the gateway's outermost routing layer: it canonicalizes the target,
+matches it, and stores both in the scope for the idempotency layer and the proxy.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ _ESCAPE = re.compile(r"%[0-9a-f]{2}")
 _NON_ASCII = re.compile(r"(?:%[89A-F][0-9A-F])+")
 # The last segment's format suffix: from its first dot on, when something comes before it;
 # a trailing slash after it stays (Rails routes /v1/charges.json/ as /v1/charges.json).
+_DOTTED_CAPITAL_I = "\u0130"
 _FORMAT_SUFFIX = re.compile(r"(?<=[^/])\.[^/]*(?=/?$)")
 
 
@@ -48,7 +49,10 @@ def _folded_octets(match: re.Match[str]) -> str:
     text = unquote_to_bytes(match.group()).decode("utf-8", "surrogateescape")
     # Upper-cased first: .NET's OrdinalIgnoreCase and Java's equalsIgnoreCase compare upper
     # cases, where the dotless i and the long s are I and S; casefold alone keeps them apart.
-    return quote(text.upper().casefold().encode("utf-8", "surrogateescape"), safe="")
+    # Java then compares the lower cases of those, where the dotted capital I is i: casefold
+    # makes it i and a combining dot, another path.
+    upper = text.upper().replace(_DOTTED_CAPITAL_I, "I")
+    return quote(upper.casefold().encode("utf-8", "surrogateescape"), safe="")
 
 
 def folded(path: str) -> str:
@@ -69,13 +73,22 @@ def without_format_suffix(path: str) -> str:
     return _FORMAT_SUFFIX.sub("", path)
 
 
+def without_trailing_slash(path: str) -> str:
+    """``/v1/charges/`` -> ``/v1/charges`` (the root stays ``/``). A canonical path ends in
+    at most one slash: repeated ones are merged."""
+    return path[:-1] if len(path) > 1 and path.endswith("/") else path
+
+
 def spelled(path: str, match: RouteMatch) -> str:
     """The one spelling of a canonical path under ``match``'s options: the form routes are
     compared in, and the operation is named by, so every spelling the upstream reads as the
-    same path is one path here."""
+    same path is one path here. A trailing slash is left out whatever the options: Express,
+    Rails, ASP.NET Core and Spring before 6 route ``/v1/charges/`` to the ``/v1/charges``
+    handler (others redirect or refuse it, so one name for both never hides an execution)."""
     path = path_without_parameters(path)
     if match.format_suffixes:
         path = without_format_suffix(path)
+    path = without_trailing_slash(path)
     return path if match.case_sensitive else folded(path)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 
 from idempotency_gateway.asgi import Headers, header_values
 from idempotency_gateway.errors import InvalidIdempotencyKey
@@ -74,6 +75,23 @@ def with_bare_key(headers: Headers, header_name: bytes, key: str) -> Headers:
     return [(name, bare if name == header_name else value) for name, value in headers]
 
 
+# Fields whose value is ``<auth-scheme> <credentials>`` (RFC 9110 section 11.6.2): the scheme
+# is case-insensitive and one or more spaces come before the credentials, so ``bearer sk_1``
+# and ``Bearer  sk_1`` are the credential of ``Bearer sk_1`` to the upstream. Hashed as sent,
+# they were three scopes: a retry in another spelling ran its key again.
+_CREDENTIAL_FIELDS = frozenset({b"authorization", b"proxy-authorization"})
+_SCHEME_AND_CREDENTIALS = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) +(.*)", re.DOTALL)
+
+
+def _credential(value: bytes) -> bytes:
+    """A credential field's value in one spelling: the scheme capitalized as usually sent
+    (``Bearer``, ``Basic``) and one space; the credentials themselves, case and all, as sent."""
+    match = _SCHEME_AND_CREDENTIALS.fullmatch(value)
+    if match is None:
+        return value
+    return match.group(1).capitalize() + b" " + match.group(2)
+
+
 def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: bytes) -> str:
     """Who the client is, as an HMAC-SHA256 hex digest keyed by the deployment's secret.
 
@@ -86,6 +104,8 @@ def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: byte
         # An empty field is no credential: counted as one, it would be a scope shared by
         # everyone who sends it, past an ``anonymous: refuse`` route.
         values = [value for value in header_values(headers, name) if value.strip(b" \t")]
+        if name in _CREDENTIAL_FIELDS:
+            values = [_credential(value) for value in values]
         for value in values:
             present = True
             digest.update(name + b"\x00" + len(value).to_bytes(4, "big") + value)

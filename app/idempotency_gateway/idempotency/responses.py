@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 BODY_OMITTED_HEADER = (b"idempotency-body-omitted", b"true")
+# The gateway's own fields on an answer: an application's answer carrying one (an upstream
+# that keeps idempotency records itself) would reach the client, and the record, as the
+# gateway's word that this is a replay, or that the stored body was left out.
+_GATEWAY_OWNED = frozenset({REPLAYED_HEADER[0], BODY_OMITTED_HEADER[0]})
 
 # Framing and per-response fields are made anew for every answer, never replayed.
 _NOT_STORED = frozenset(
@@ -99,7 +103,12 @@ class ResponseCapture:
         if message["type"] == "http.response.start":
             self.phase = Phase.STREAMING
             self.status = message["status"]
-            self.headers = list(message.get("headers", []))
+            self.headers = [
+                (name, value)
+                for name, value in message.get("headers", [])
+                if name.lower() not in _GATEWAY_OWNED
+            ]
+            message = {**message, "headers": self.headers}
             self._declared_length = _content_length(self.headers)
             fits = self._declared_length is not None and self._declared_length <= self._limit
             if fits or self.status in (204, 304):

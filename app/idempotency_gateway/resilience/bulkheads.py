@@ -5,21 +5,24 @@ request refused here is refused before its key is reserved and before anything i
 client gets a 503 ``capacity-exhausted`` problem with ``Retry-After`` and ``retryable: true``,
 no record is left behind, and its retry with the same key is as safe as its first try.
 
-The slots are held until the response has gone out (or the client left): a slow route's
-requests fill their tier's bulkhead, and the routes of other tiers keep their capacity on the
-same upstream. The tier's slot is taken before the upstream's, always in that order, so two
-requests can never each hold the slot the other waits for.
+The slots are taken once the request's body is whole (when the layer below reads its last
+part: every layer that acts on a request reads its body first), and held until the response
+has gone out (or the client left): a slow route's requests fill their tier's bulkhead, and
+the routes of other tiers keep their capacity on the same upstream. A client trickling its
+body in never holds a slot meanwhile, so slow bodies cannot fill a bulkhead and shed the
+requests of everyone else for as long as ``request_body_timeout``; a request refused before
+its body is read (a missing key, say) takes none. The tier's slot is taken before the
+upstream's, always in that order, so two requests can never each hold the slot the other
+waits for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from idempotency_gateway.asgi import ASGIApp, Receive, Scope, Send
+from idempotency_gateway.asgi import ASGIApp, Message, Receive, Scope, Send
 from idempotency_gateway.config import BulkheadConfig, RouteConfig
 from idempotency_gateway.errors import CapacityExhausted
-from idempotency_gateway.problems import send_problem
-from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.resilience.bulkhead import Bulkhead, BulkheadKind
 from idempotency_gateway.target import target_of
 from idempotency_gateway.telemetry.request_log import RequestOutcome, note_outcome
@@ -64,21 +67,26 @@ class BulkheadMiddleware:
             await self.app(scope, receive, send)
             return
         held: list[Bulkhead] = []
-        try:
+        body_whole = False
+
+        async def receive_then_take_slots() -> Message:
+            nonlocal body_whole
+            message = await receive()
+            if body_whole or message["type"] != "http.request" or message.get("more_body"):
+                return message
+            body_whole = True
             try:
                 for bulkhead in chain:
                     await bulkhead.acquire()
                     held.append(bulkhead)
-            except CapacityExhausted as error:
+            except CapacityExhausted:
+                # The layer below answers it as any refusal, before it reserves or sends.
                 note_outcome(scope, RequestOutcome.SHED)
-                await send_problem(
-                    send,
-                    error,
-                    request_id=request_id_of(scope),
-                    error_format=route.idempotency.error_format,
-                )
-                return
-            await self.app(scope, receive, send)
+                raise
+            return message
+
+        try:
+            await self.app(scope, receive_then_take_slots, send)
         finally:
             for bulkhead in reversed(held):
                 bulkhead.release()

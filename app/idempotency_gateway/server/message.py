@@ -13,7 +13,9 @@
   ``Host`` for every layer above the server.
 - ``Transfer-Encoding`` (section 6.1): a lone ``chunked`` is the only coding read here; any
   other is a 501, since decoding the chunks alone would pass the upstream a gzip body, say,
-  as plain bytes.
+  as plain bytes. An HTTP/1.0 request carrying the field at all is a 400: HTTP/1.0 has no
+  transfer codings, so its framing is faulty (section 6.1), and an HTTP/1.0 intermediary in
+  front would have read the chunks llhttp decodes as a body as the next request instead.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ def check_request_head(version: str, headers: Headers) -> None:
         elif name == b"transfer-encoding":
             codings.append(value)
     if codings:
+        if version == "1.0":
+            raise MalformedRequest(
+                "an HTTP/1.0 request has no transfer codings: send its body with Content-Length"
+            )
         _check_transfer_coding(codings)
     if len(hosts) > 1:
         raise MalformedRequest("the request has more than one Host field")
