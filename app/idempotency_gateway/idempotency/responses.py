@@ -14,7 +14,6 @@ from idempotency_gateway.problems import error_answer
 
 log = logging.getLogger(__name__)
 
-REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 BODY_OMITTED_HEADER = (b"idempotency-body-omitted", b"true")
 
 # Framing and per-response fields are made anew for every answer, never replayed.
@@ -129,19 +128,24 @@ class ResponseCapture:
         )
         log.error("replacing an invalid response status: %s", error.detail)
         problem = stored_problem(error, request_id=None, error_format=self._error_format)
-        await send_stored(self.send, problem, replayed=False)
+        await send_stored(self.send, problem, replayed=None)
         self.phase = Phase.REPLACED
 
     async def finish(
-        self, *, recorded: bool, instead: StoredResponse, replayed: bool = False
+        self,
+        *,
+        recorded: bool,
+        instead: StoredResponse,
+        replayed: tuple[bytes, bytes] | None = None,
     ) -> None:
         """End the client's answer, once the record's outcome is settled; call exactly once.
 
         ``recorded``: what was held back goes out; an app that never answered is answered
         with ``instead``. Not recorded: the answer is never completed. Before its head went
         out (always, for an answer held whole) the client gets ``instead``, marked as a
-        replay when ``replayed``; after, a streamed answer stays cut short (the server closes
-        the connection), so the client cannot mistake it for a whole one and retries."""
+        replay with the ``replayed`` field when given; after, a streamed answer stays cut
+        short (the server closes the connection), so the client cannot mistake it for a
+        whole one and retries."""
         assert self.phase not in (Phase.RELEASED, Phase.WITHDRAWN), "finished twice"
         head_sent = self.started and not any(
             message["type"] == "http.response.start" for message in self._held
@@ -209,15 +213,16 @@ async def send_stored(
     send: Send,
     response: StoredResponse,
     *,
-    replayed: bool,
+    replayed: tuple[bytes, bytes] | None,
     extra: Sequence[tuple[bytes, bytes]] = (),
 ) -> None:
+    """Send a stored answer; ``replayed`` is the route's replay marker field when it is one."""
     headers: Headers = [
         (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
     ]
     headers.append((b"content-length", str(len(response.body)).encode()))
-    if replayed:
-        headers.append(REPLAYED_HEADER)
+    if replayed is not None:
+        headers.append(replayed)
     if response.body_omitted:
         headers.append(BODY_OMITTED_HEADER)
     headers.extend(extra)
