@@ -123,17 +123,9 @@ class KeyMatchView(BaseModel):
 
     @classmethod
     def of(cls, record: Record) -> Self:
-        return cls(
-            scope=record.key.scope,
-            operation=record.key.operation,
-            key_hash=key_hash(record.key.idempotency_key),
-            status=record.status.value,
-            attempts=record.attempts,
-            created_at=record.created_at,
-            updated_at=record.updated_at,
-            expires_at=record.expires_at,
-            lease_expires_at=record.lease_expires_at,
-        )
+        # The record's view cut down to these fields: one place maps a record to its fields.
+        shared = RecordView.of(record).model_dump(include=set(cls.model_fields))
+        return cls(key_hash=key_hash(record.key.idempotency_key), **shared)
 
 
 class BreakerView(BaseModel):
