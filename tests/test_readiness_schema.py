@@ -1,8 +1,8 @@
 """``/readyz`` tells the truth about the schema: on a database that was never migrated the
 gateway is not ready (503, and the body says to migrate), and it turns ready once the schema
 is at the migration head; meanwhile keyed requests get a problem that says the schema is
-missing, in words, never the driver's exception. A real gateway process on a PostgreSQL
-database created for the test.
+missing, in words, never the driver's exception (SQLite's store too). A real gateway process
+on a PostgreSQL database created for the test.
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ import asyncpg
 import httpx
 import pytest
 
-from idempotency_gateway.idempotency.store import SCHEMA_MISSING_DETAIL, asyncpg_dsn_of
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.idempotency.record import RecordKey
+from idempotency_gateway.idempotency.store import (
+    SCHEMA_MISSING_DETAIL,
+    RecordStore,
+    asyncpg_dsn_of,
+)
 from idempotency_gateway.migrate import head_revision, upgrade_to_head_async
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.keyed import keyed_gateway_config, send_keyed
@@ -74,3 +81,15 @@ async def test_readyz_is_503_until_the_schema_is_at_the_head(
     assert after.status_code == 200
     assert after.json()["schema"] == "ok"
     assert keyed_after.status_code == 201
+
+
+async def test_a_sqlite_store_without_its_tables_says_so_in_words(tmp_path: Path) -> None:
+    store = RecordStore.from_url(f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}", StoreConfig())
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            await store.get(RecordKey("anonymous", "POST /v1/charges", "never-migrated"))
+    finally:
+        await store.close()
+    assert refused.value.detail == SCHEMA_MISSING_DETAIL
+    # The driver's own words stay in the exception chain, for the log.
+    assert "no such table" in str(refused.value.__cause__)
