@@ -32,11 +32,12 @@ import httpx
 import pytest
 import redis.asyncio
 from pydantic import SecretStr
-from sqlalchemy import delete
+from sqlalchemy import delete, inspect
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_gateway.config import ADMIN_TOKEN_ENV, ConfigError, GatewayConfig
 from idempotency_gateway.idempotency.cache import cache_key
+from idempotency_gateway.idempotency.keys import key_hash
 from idempotency_gateway.idempotency.schema import breaker_overrides
 from idempotency_gateway.main import Gateway, create_gateway
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
@@ -62,6 +63,7 @@ ADMIN_PATHS = {
     "/metrics",
     "/admin/records",
     "/admin/records/stuck",
+    "/admin/records/by-key",
     "/admin/records/expire",
     "/admin/breakers",
     "/admin/breakers/{upstream}",
@@ -186,6 +188,7 @@ class AdminCall:
 ADMIN_CALLS = {
     "get-record": AdminCall("GET", "/admin/records", needs_record=True),
     "list-stuck": AdminCall("GET", "/admin/records/stuck"),
+    "find-by-key": AdminCall("GET", "/admin/records/by-key", needs_record=True),
     "delete-record": AdminCall("DELETE", "/admin/records", needs_record=True),
     "expire-record": AdminCall("POST", "/admin/records/expire", needs_record=True),
     "list-breakers": AdminCall("GET", "/admin/breakers"),
@@ -333,6 +336,66 @@ async def test_record_is_found_by_scope_hash_and_by_raw_credential(
     secret = AUTHORIZATION.removeprefix("Bearer ")
     assert secret not in by_secret.text
     assert secret not in by_hash.text
+
+
+async def test_a_key_is_found_in_every_scope_and_operation_it_was_used_in(
+    records_gateway: AdminGateway, unique: Callable[[str], str]
+) -> None:
+    key = unique("by-key")
+    other_client = {"Idempotency-Key": key, "Authorization": f"Bearer sk_{uuid.uuid4().hex}"}
+    sent = [
+        await send_keyed(records_gateway.proxy, key),
+        await records_gateway.proxy.post(CHARGES, json=CHARGE, headers=other_client),
+        await send_keyed(records_gateway.proxy, key, path="/v1/refunds"),
+        await send_keyed(records_gateway.proxy, unique("by-key-other")),
+    ]
+    assert [answer.status_code for answer in sent] == [201] * 4
+
+    async def by_key(**params: Any) -> list[dict[str, Any]]:
+        answer = await records_gateway.admin.get(
+            "/admin/records/by-key", params=params, headers=ADMIN
+        )
+        assert answer.status_code == 200, answer.text
+        return list(answer.json())
+
+    everywhere = await by_key(key=key)
+    charges = await by_key(key=key, operation=OPERATION)
+    one = await by_key(key=key, limit=1)
+    unknown = await by_key(key=unique("never-sent"))
+
+    mine = record_key(key).scope
+    assert sorted((match["scope"] == mine, match["operation"]) for match in everywhere) == [
+        (False, OPERATION),
+        (True, OPERATION),
+        (True, "POST /v1/refunds"),
+    ]
+    assert len({match["scope"] for match in everywhere}) == 2
+    assert {match["key_hash"] for match in everywhere} == {key_hash(key)}
+    assert {match["status"] for match in everywhere} == {"SUCCEEDED"}
+    assert all(match["created_at"] <= match["expires_at"] for match in everywhere)
+    assert "idempotency_key" not in everywhere[0]
+    assert {match["operation"] for match in charges} == {OPERATION}
+    assert len(charges) == 2
+    assert len(one) == 1
+    assert one[0] in everywhere
+    assert unknown == []
+    # Found through an index, not a scan of every scope.
+    async with records_gateway.app.store.engine.connect() as connection:
+        indexes = await connection.run_sync(
+            lambda sync: inspect(sync).get_indexes("idempotency_records")
+        )
+    assert ["idempotency_key"] in [index["column_names"] for index in indexes]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"key": ""}, {"key": "k" * 256}, {"key": "k", "limit": "0"}, {"key": "k", "limit": "1001"}],
+)
+async def test_a_lookup_by_key_out_of_bounds_is_a_422_problem(
+    records_gateway: AdminGateway, params: dict[str, str]
+) -> None:
+    answer = await records_gateway.admin.get("/admin/records/by-key", params=params, headers=ADMIN)
+    assert_problem(answer, 422, "invalid-admin-request")
 
 
 async def test_record_lookup_returns_the_stored_body_on_request(

@@ -73,3 +73,30 @@ async def test_docs_page_points_swagger_ui_at_the_local_openapi_document(
     # The page's inline script calls SwaggerUIBundle: the local script must define it.
     assert "SwaggerUIBundle(" in html.text
     assert b"SwaggerUIBundle" in bundle.content
+
+
+async def test_the_openapi_document_has_every_admin_operation_require_bearer_auth(
+    admin: httpx.AsyncClient,
+) -> None:
+    # Swagger UI's "Authorize" button fills in what securitySchemes declares, and sends it
+    # only on the operations whose security names the scheme.
+    document = (await admin.get("/openapi.json")).json()
+    schemes = document["components"]["securitySchemes"]
+    assert schemes == {
+        "HTTPBearer": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "the admin token (GATEWAY_ADMIN_TOKEN)",
+        }
+    }
+    operations = {
+        (method, path): operation
+        for path, methods in document["paths"].items()
+        for method, operation in methods.items()
+    }
+    admin_operations = [key for key in operations if key[1].startswith("/admin/")]
+    assert len(admin_operations) >= 8, admin_operations
+    for key in admin_operations:
+        assert operations[key].get("security") == [{"HTTPBearer": []}], key
+    for key in operations.keys() - set(admin_operations):
+        assert "security" not in operations[key], key

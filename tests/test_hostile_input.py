@@ -723,7 +723,10 @@ def admin_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backgroun
 
 @pytest.fixture(scope="module")
 def admin_schema(admin_target: BackgroundGateway) -> Any:
-    return schemathesis.openapi.from_url(admin_target.admin_url + "/openapi.json")
+    # Starting a drain (the token is right, so the call succeeds) makes /readyz answer 503
+    # for the rest of the module, as it must: that 503 is the drain working, not a failure.
+    schema = schemathesis.openapi.from_url(admin_target.admin_url + "/openapi.json")
+    return schema.exclude(path="/admin/drain", method="POST")
 
 
 # The answers' checks. Left out: whether every schema-valid request is accepted, which this

@@ -5,9 +5,12 @@ workers of ``serve --workers 2`` whichever worker answers the scrape (each worke
 serve part of the traffic by stopping the other one for a moment); that no path, key or
 credential ever becomes a label; that ``--log-format json`` writes one JSON line per request
 with its request id, route, upstream, outcome, attempts, status, duration and scope hash, and
-``--log-format text`` the same as ``key=value``, neither ever holding the credential, the key
-or the body; and that ``/readyz`` follows PostgreSQL down and back up (cut for one gateway by
-a TCP proxy, the shared server keeps running) while an unreachable Redis only degrades it.
+``--log-format text`` the same as ``key=value`` (with the key's hash, as the admin lookup by
+key shows it), neither ever holding the credential, the key or the body; that one worker and
+two show the same metric families, none a ``_created`` one, ``pid`` only on ``process_*``;
+that a request the upstream never saw counts as ``not_executed``; and that ``/readyz``
+follows PostgreSQL down and back up (cut for one gateway by a TCP proxy, the shared server
+keeps running) while an unreachable Redis only degrades it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from idempotency_gateway.idempotency.keys import scope_of
+from idempotency_gateway.idempotency.keys import key_hash, scope_of
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
 from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import gateway_config, route
@@ -306,6 +309,87 @@ async def test_metrics_count_known_traffic_summed_over_two_workers(
         assert (metrics_directory / f"histogram_{pid}.db").exists(), pid
 
 
+def families_of(scrape: str) -> dict[str, set[str]]:
+    """Each family of a scrape and the label names its samples carry."""
+    return {
+        family.name: {name for sample in family.samples for name in sample.labels}
+        for family in text_string_to_metric_families(scrape)
+    }
+
+
+async def test_one_worker_and_two_workers_show_the_same_metric_families(
+    upstream: RecordingUpstream,
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    config = charges_config(upstream.url, unique_upstream())
+    env = {"GATEWAY_DATABASE_URL": postgres_url}
+    one, two = await asyncio.gather(
+        start_gateway(config, env=env),
+        start_gateway(config, env=env, extra_args=["--workers", "2"]),
+    )
+    await worker_pids(two, 2)
+    before = {gateway.port: families_of(await scrape(client, gateway)) for gateway in (one, two)}
+    for gateway in (one, two):
+        assert (await charge(client, gateway, unique("families"))).status_code == 201
+    after = {gateway.port: families_of(await scrape(client, gateway)) for gateway in (one, two)}
+
+    assert before[one.port].keys() == before[two.port].keys()
+    assert after[one.port].keys() == after[two.port].keys() == before[one.port].keys()
+    for families in (*before.values(), *after.values()):
+        # Present before the first request, so rate() and absent() mean the same everywhere.
+        for name in ("requests", "request_duration_seconds", "upstream_attempts", "takeovers"):
+            assert f"idempotency_gateway_{name}" in families
+        assert not any(name.endswith("_created") for name in families)
+        with_pid = {name for name, labels in families.items() if "pid" in labels}
+        assert with_pid == {
+            "process_cpu_seconds",
+            "process_resident_memory_bytes",
+            "process_start_time_seconds",
+            "process_open_fds",
+        }
+
+
+async def test_a_request_the_upstream_never_saw_is_counted_not_executed(
+    start_gateway: StartGateway,
+    client: httpx.AsyncClient,
+    postgres_url: str,
+    unique: Callable[[str], str],
+) -> None:
+    # Nobody listens on the upstream's port: every connection is refused, nothing is sent.
+    refused = f"http://127.0.0.1:{free_port()}"
+    gateway = await start_gateway(
+        charges_config(refused, unique_upstream()), env={"GATEWAY_DATABASE_URL": postgres_url}
+    )
+    keyed = await charge(client, gateway, unique("refused"))
+    unkeyed = await client.post(gateway.url + "/v1/refunds", json=CHARGE)
+    assert keyed.status_code == unkeyed.status_code == 502
+
+    def not_executed(text: str, route: str) -> float | None:
+        return value_of(
+            text,
+            "idempotency_gateway_requests_total",
+            route=route,
+            outcome="not_executed",
+            status_class="5xx",
+        )
+
+    async def counted() -> str | None:
+        text = await scrape(client, gateway)
+        return text if not_executed(text, "everything-else") == 1 else None
+
+    text = await eventually(counted, timeout=5.0, message="both refusals counted")
+    assert not_executed(text, ROUTE) == 1
+    assert not any(
+        sample.labels.get("outcome") in ("executed", "unprotected")
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if family.name == "idempotency_gateway_requests"
+    )
+
+
 async def test_metric_labels_never_hold_paths_keys_or_credentials(
     upstream: RecordingUpstream,
     start_gateway: StartGateway,
@@ -538,6 +622,10 @@ async def test_json_logs_have_one_line_per_request_and_no_secrets(
         assert request["status"] == expected.status
         assert request["upstream"] == (traffic.upstream_name if expected.proxied else None)
         assert request["scope_hash"] == (scope_hash_of(secret) if expected.keyed else None)
+        # What GET /admin/records/by-key shows: the line and the record join on it.
+        assert request.get("key_hash") == (
+            key_hash(f"{traffic.marker}-key") if expected.keyed else None
+        )
         assert isinstance(request["duration_ms"], float)
         assert request["duration_ms"] > 0
     assert_no_secrets(traffic, secret)
@@ -568,6 +656,9 @@ async def test_text_logs_write_key_value_lines_and_no_secrets(
         assert fields["status"] == str(expected.status)
         assert fields.get("upstream") == (traffic.upstream_name if expected.proxied else None)
         assert fields.get("scope_hash") == (scope_hash_of(secret) if expected.keyed else None)
+        assert fields.get("key_hash") == (
+            key_hash(f"{traffic.marker}-key") if expected.keyed else None
+        )
         assert float(fields["duration_ms"]) > 0
     assert not any(line.startswith("{") for line in traffic.gateway.log_text().splitlines())
     assert_no_secrets(traffic, secret)

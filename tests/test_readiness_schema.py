@@ -1,6 +1,8 @@
 """``/readyz`` tells the truth about the schema: on a database that was never migrated the
 gateway is not ready (503, and the body says to migrate), and it turns ready once the schema
-is at the migration head. A real gateway process on a PostgreSQL database created for the test.
+is at the migration head; meanwhile keyed requests get a problem that says the schema is
+missing, in words, never the driver's exception (SQLite's store too). A real gateway process
+on a PostgreSQL database created for the test.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import asyncpg
 import httpx
 import pytest
 
-from idempotency_gateway.idempotency.store import asyncpg_dsn_of
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.idempotency.record import RecordKey
+from idempotency_gateway.idempotency.store import (
+    SCHEMA_MISSING_DETAIL,
+    RecordStore,
+    asyncpg_dsn_of,
+)
 from idempotency_gateway.migrate import head_revision, upgrade_to_head_async
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.keyed import keyed_gateway_config, send_keyed
@@ -53,7 +62,8 @@ async def test_readyz_is_503_until_the_schema_is_at_the_head(
             keyed_after = await send_keyed(client, f"after-{uuid.uuid4().hex}")
     finally:
         await gateway.stop()
-        print(f"--- gateway log tail ---\n{gateway.log_tail()}")
+        log = gateway.log_tail()
+        print(f"--- gateway log tail ---\n{log}")
 
     assert before.status_code == 503
     assert before.json()["status"] == "not ready"
@@ -62,6 +72,24 @@ async def test_readyz_is_503_until_the_schema_is_at_the_head(
     assert str(head_revision()) in before.json()["schema"]
     # What readiness protects from: every keyed request fails on this database.
     assert keyed_before.status_code == 503
+    # The problem says what is wrong in words; the driver's class name goes to the log only.
+    problem = keyed_before.json()
+    assert problem["type"].endswith(":store-unavailable"), problem
+    assert problem["detail"] == SCHEMA_MISSING_DETAIL, problem
+    assert "Error" not in keyed_before.text, problem
+    assert "UndefinedTableError" in log
     assert after.status_code == 200
     assert after.json()["schema"] == "ok"
     assert keyed_after.status_code == 201
+
+
+async def test_a_sqlite_store_without_its_tables_says_so_in_words(tmp_path: Path) -> None:
+    store = RecordStore.from_url(f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}", StoreConfig())
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            await store.get(RecordKey("anonymous", "POST /v1/charges", "never-migrated"))
+    finally:
+        await store.close()
+    assert refused.value.detail == SCHEMA_MISSING_DETAIL
+    # The driver's own words stay in the exception chain, for the log.
+    assert "no such table" in str(refused.value.__cause__)

@@ -6,10 +6,14 @@ nor a replay may carry the upstream's 2001 stamp: each gets the gateway's clock,
 upstream's other headers are replayed as stored; ``X-Request-Id`` is the replaying request's,
 ``Idempotent-Replayed`` appears once, and the framing (``Content-Length``) fits the body.
 The 2001 stamp stands in for "long ago", so no test has to wait for time to pass.
+
+The replay marker's name is a setting, gateway-wide and per route (``replay_header``), for
+clients of the IETF draft that expect ``Idempotency-Replayed``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
@@ -18,6 +22,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from idempotency_gateway.config import ConfigError, validate_config
 from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
 from tests.support.servers import free_port
 
@@ -36,20 +41,28 @@ async def charge(request: web.Request) -> web.Response:
     return web.json_response({"id": "ch_1"}, status=201, headers=UPSTREAM_HEADERS)
 
 
-@pytest.fixture(params=["store", "in-process-cache", "redis-cache"])
-async def gateway(
-    request: pytest.FixtureRequest, postgres_url: str, redis_url: str
-) -> AsyncIterator[RunningGateway]:
-    """The replay comes from the store (no cache), the in-process cache or Redis."""
+@contextlib.asynccontextmanager
+async def charges_upstream() -> AsyncIterator[str]:
     app = web.Application()
-    app.router.add_post("/v1/charges", charge)
+    app.router.add_post("/{path:.*}", charge)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture(params=["store", "in-process-cache", "redis-cache"])
+async def gateway(
+    request: pytest.FixtureRequest, postgres_url: str, redis_url: str
+) -> AsyncIterator[RunningGateway]:
+    """The replay comes from the store (no cache), the in-process cache or Redis."""
+    async with charges_upstream() as upstream_url:
         config = gateway_config(
-            f"http://127.0.0.1:{port}",
+            upstream_url,
             routes=[route("/", key="required")],
             cache={"max_entries": 0 if request.param == "store" else 100},
         )
@@ -59,8 +72,6 @@ async def gateway(
                 database_url=postgres_url,
                 redis_url=redis_url if request.param == "redis-cache" else None,
             )
-    finally:
-        await runner.cleanup()
 
 
 def sent_now(response: httpx.Response, before: datetime) -> bool:
@@ -94,3 +105,45 @@ async def test_replay_has_a_fresh_date_and_the_upstreams_other_headers(
     assert first.headers.get_list("x-request-id") == ["first-request"]
     assert replay.headers.get_list("x-request-id") == ["replaying-request"]
     assert replay.content == first.content
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["from-store", "from-cache"])
+async def test_the_replay_marker_is_named_by_the_gateway_and_by_a_route(
+    postgres_url: str, unique: Callable[[str], str], cached: bool
+) -> None:
+    async with charges_upstream() as upstream_url, GatewayLauncher() as launcher:
+        gateway = await launcher.start(
+            gateway_config(
+                upstream_url,
+                routes=[
+                    route("/v1/legacy", key="required", replay_header="Idempotent-Replayed"),
+                    route("/", key="required"),
+                ],
+                replay_header="Idempotency-Replayed",
+                cache={"max_entries": 100 if cached else 0},
+            ),
+            database_url=postgres_url,
+        )
+        marked: dict[str, tuple[httpx.Response, httpx.Response]] = {}
+        for path in ("/v1/charges", "/v1/legacy/charges"):
+            headers = {"Idempotency-Key": unique("marker"), "Authorization": "Bearer sk_marker"}
+            first = await gateway.client.post(path, json={}, headers=headers)
+            marked[path] = first, await gateway.client.post(path, json={}, headers=headers)
+
+    first, replay = marked["/v1/charges"]
+    assert replay.headers.get_list("idempotency-replayed") == ["true"]
+    assert "idempotent-replayed" not in replay.headers
+    assert "idempotency-replayed" not in first.headers
+    first, replay = marked["/v1/legacy/charges"]
+    assert replay.headers.get_list("idempotent-replayed") == ["true"]
+    assert "idempotency-replayed" not in replay.headers
+    assert "idempotent-replayed" not in first.headers
+
+
+@pytest.mark.parametrize("where", ["gateway", "route"])
+def test_a_replay_marker_that_is_no_header_name_is_refused(where: str) -> None:
+    data = gateway_config("http://127.0.0.1:9").model_dump(mode="json")
+    section = data if where == "gateway" else data["routes"][0]["idempotency"]
+    section["replay_header"] = "Idempotency Replayed"
+    with pytest.raises(ConfigError, match=r"replay_header.*not a header field name"):
+        validate_config(data, source="test")

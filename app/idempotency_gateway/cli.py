@@ -100,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = environment_settings()
     config = _resolve_config(args, settings)
     metrics_directory = None
-    if args.workers > 1 and MULTIPROCESS_ENV not in os.environ:
+    # One worker or many, the same metrics: every worker writes to the directory.
+    if MULTIPROCESS_ENV not in os.environ:
         metrics_directory = prepare_metrics_directory()
     # The drain marker lives as long as this supervisor: a new `serve` starts ready.
     drain_directory = tempfile.mkdtemp(prefix="idempotency-gateway-drain-")

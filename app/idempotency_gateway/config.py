@@ -346,6 +346,8 @@ MAX_CANONICAL_BODY: Final = 1024 * 1024
 
 
 class IdempotencyConfig(_Model):
+    # The field that marks a replayed answer on this route; unset, the gateway-wide one.
+    replay_header: HeaderName | None = None
     methods: frozenset[str] = frozenset({"POST", "PATCH"})
     key: KeyPolicy = KeyPolicy.OPTIONAL
     ttl: Duration = 24 * 3600.0
@@ -508,6 +510,7 @@ class LifecycleConfig(_Model):
 # Settings of the whole gateway that a library user of ``IdempotencyMiddleware`` meets too: its
 # keyword defaults read these (and the section models' defaults), so each is written once.
 DEFAULT_IDEMPOTENCY_HEADER: Final = "Idempotency-Key"
+DEFAULT_REPLAY_HEADER: Final = "Idempotent-Replayed"
 DEFAULT_STORE_UNAVAILABLE: Final = StoreUnavailablePolicy.FAIL_CLOSED
 
 
@@ -523,6 +526,8 @@ class GatewayConfig(_Model):
     lifecycle: LifecycleConfig = LifecycleConfig()
     store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE
     idempotency_header: HeaderName = DEFAULT_IDEMPOTENCY_HEADER
+    # Stripe's marker by default; ``Idempotency-Replayed`` for clients of the IETF draft.
+    replay_header: HeaderName = DEFAULT_REPLAY_HEADER
     trusted_proxies: tuple[IpNetwork, ...] = ()
     # Route tiers (``critical``, ``optional``, ...): named bulkheads that routes opt into.
     bulkheads: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], BulkheadConfig] = {}

@@ -179,7 +179,7 @@ class Gateway:
             store=self.store,
             cache=self.cache,
             wakeups=self.wakeups,
-            policy=RoutePolicies(config.routes),
+            policy=RoutePolicies(config.routes, replay_header=config.replay_header),
             scope_secret=secret,
             scope_headers=config.scope.headers,
             header_name=config.idempotency_header,

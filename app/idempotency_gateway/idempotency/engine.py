@@ -29,6 +29,7 @@ from idempotency_gateway.errors import (
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
 from idempotency_gateway.idempotency.app_failure import send_app_failure
 from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache, expiry_of
+from idempotency_gateway.idempotency.keys import key_hash
 from idempotency_gateway.idempotency.machine import Action, classify, decide
 from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
@@ -73,6 +74,10 @@ class KeyedRequest:
     @property
     def config(self) -> IdempotencyConfig:
         return self.policy.config
+
+    def marker(self, replayed: bool) -> tuple[bytes, bytes] | None:
+        """The route's replay marker field for an answer that is a replay, else none."""
+        return self.policy.replayed if replayed else None
 
     def problem(self, error: GatewayError) -> StoredResponse:
         """An answer the gateway makes itself for this request, in the form the store keeps."""
@@ -120,13 +125,14 @@ class IdempotencyEngine:
         entry = request_log_of(request.scope)
         if entry is not None:
             entry.scope_hash = request.key.scope
+            entry.key_hash = key_hash(request.key.idempotency_key)
         cached = await self.cache.get(request.key)
         if cached is not None:
             if cached.request_hash != request.fingerprint:
                 note_outcome(request.scope, RequestOutcome.MISMATCH)
                 raise _mismatch()
             note_outcome(request.scope, RequestOutcome.REPLAYED)
-            await send_stored(request.send, cached.response, replayed=True)
+            await send_stored(request.send, cached.response, replayed=request.policy.replayed)
             return
         await self._decide_and_act(request)
 
@@ -154,7 +160,9 @@ class IdempotencyEngine:
                 answer = CachedAnswer.of(record, now=reservation.now, asked_at=sent_at)
                 if answer is not None:
                     await self.cache.put(answer)
-                await send_stored(request.send, record.response, replayed=True, extra=waited)
+                await send_stored(
+                    request.send, record.response, replayed=request.policy.replayed, extra=waited
+                )
                 return
             if action is Action.MISMATCH:
                 note_outcome(request.scope, RequestOutcome.MISMATCH)
@@ -221,10 +229,10 @@ class IdempotencyEngine:
         run = self._owner_run(request, record, sent_at)
         recorded, published = await self._record(request, run, Status.FAILED_FINAL, answer)
         if recorded:
-            await send_stored(request.send, answer, replayed=False)
+            await send_stored(request.send, answer, replayed=None)
         else:
             instead, replayed = self._not_of_record(request, run)
-            await send_stored(request.send, instead, replayed=replayed)
+            await send_stored(request.send, instead, replayed=request.marker(replayed))
         # Waiters re-read the store whatever happened; waking them never delays this answer.
         await self.wakeups.notify(request.key, published=published)
 
@@ -255,6 +263,7 @@ class IdempotencyEngine:
             request.send,
             max_stored_body=request.config.max_stored_body,
             error_format=request.config.error_format,
+            replay_marker=request.policy.replayed[0],
         )
         failure: GatewayError = OutcomeUnknown("the app failed")
         raised: Exception | None = None
@@ -281,6 +290,9 @@ class IdempotencyEngine:
         if not capture.complete:
             # No full answer came back: the upstream may have acted on the request.
             execution.report(Outcome.AMBIGUOUS)
+        if execution.outcome is Outcome.NOT_EXECUTED:
+            # Nothing reached the upstream: the gateway's own 5xx, not an executed request's.
+            note_outcome(request.scope, RequestOutcome.NOT_EXECUTED)
         status = (
             Status.FAILED_FINAL
             if rendered and capture.complete
@@ -302,7 +314,7 @@ class IdempotencyEngine:
                 extra={"route": request.policy.name, "fencing_token": record.fencing_token},
             )
             instead, replayed = self._not_of_record(request, run)
-        await capture.finish(recorded=recorded, instead=instead, replayed=replayed)
+        await capture.finish(recorded=recorded, instead=instead, replayed=request.marker(replayed))
         # Waiters re-read the store whatever happened (even a fenced finalize is news); waking
         # them never delays this answer.
         await self.wakeups.notify(request.key, published=published)

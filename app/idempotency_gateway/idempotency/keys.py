@@ -92,6 +92,13 @@ def _credential(value: bytes) -> bytes:
     return match.group(1).capitalize() + b" " + match.group(2)
 
 
+def key_hash(key: str) -> str:
+    """The key as the access log and the admin lookup name it: 16 hex digits of its SHA-256.
+    Joins a log line to ``GET /admin/records/by-key`` without writing the key itself (a key
+    may carry a client's order or customer number) into the logs."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: bytes) -> str:
     """Who the client is, as an HMAC-SHA256 hex digest keyed by the deployment's secret.
 

@@ -102,10 +102,13 @@ class Lease:
         try:
             async with asyncio.timeout(self.length - self.margin):
                 renewed = await self.store.renew_lease(self.key, self.fence, lease=self.length)
-        except (StoreUnavailable, TimeoutError) as exc:
+        except StoreUnavailable as exc:
             # A failed renewal is a failed renewal: nothing more goes out until one succeeds.
             self._trusted_until = float("-inf")
-            raise self._refusal(f"the lease could not be renewed ({type(exc).__name__})") from exc
+            raise self._refusal(f"the lease could not be renewed: {exc.detail}") from exc
+        except TimeoutError as exc:
+            self._trusted_until = float("-inf")
+            raise self._refusal("the lease renewal was not answered in time") from exc
         if not renewed:
             self.fenced = True
             raise self._refusal("another owner took the record over")

@@ -6,7 +6,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from idempotency_gateway.config import IdempotencyConfig, KeyPolicy, RouteConfig, RouteMatch
+from idempotency_gateway.config import (
+    DEFAULT_REPLAY_HEADER,
+    IdempotencyConfig,
+    KeyPolicy,
+    RouteConfig,
+    RouteMatch,
+)
 from idempotency_gateway.routing import PrefixRouter, spelled
 from idempotency_gateway.target import RequestTarget
 
@@ -19,11 +25,17 @@ class RoutePolicy:
     config: IdempotencyConfig
     match: RouteMatch = EVERY_PATH
     """How the route's paths are spelled; the operation is named in that one spelling."""
+    replay_header: str = DEFAULT_REPLAY_HEADER
+    """The gateway-wide replay marker, for a route whose config names none of its own."""
     fingerprint_headers: tuple[bytes, ...] = field(init=False)
+    replayed: tuple[bytes, bytes] = field(init=False)
+    """The header field a replayed answer carries."""
 
     def __post_init__(self) -> None:
         encoded = tuple(name.encode("ascii") for name in self.config.fingerprint_headers)
         object.__setattr__(self, "fingerprint_headers", encoded)
+        marker = (self.config.replay_header or self.replay_header).lower().encode("ascii")
+        object.__setattr__(self, "replayed", (marker, b"true"))
 
     def covers(self, method: str) -> bool:
         return self.config.key is not KeyPolicy.OFF and method in self.config.methods
@@ -40,10 +52,13 @@ class RoutePolicy:
 class RoutePolicies:
     """The gateway's policies: the one of the route already matched for the request."""
 
-    def __init__(self, routes: Iterable[RouteConfig]) -> None:
+    def __init__(
+        self, routes: Iterable[RouteConfig], *, replay_header: str = DEFAULT_REPLAY_HEADER
+    ) -> None:
         # Keyed by the route itself (frozen, so hashed by value): names need not be unique.
         self._by_route = {
-            route: RoutePolicy(route.name, route.idempotency, route.match) for route in routes
+            route: RoutePolicy(route.name, route.idempotency, route.match, replay_header)
+            for route in routes
         }
 
     def __call__(self, target: RequestTarget) -> RoutePolicy | None:

@@ -14,12 +14,7 @@ from idempotency_gateway.problems import error_answer
 
 log = logging.getLogger(__name__)
 
-REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 BODY_OMITTED_HEADER = (b"idempotency-body-omitted", b"true")
-# The gateway's own fields on an answer: an application's answer carrying one (an upstream
-# that keeps idempotency records itself) would reach the client, and the record, as the
-# gateway's word that this is a replay, or that the stored body was left out.
-_GATEWAY_OWNED = frozenset({REPLAYED_HEADER[0], BODY_OMITTED_HEADER[0]})
 
 # Framing and per-response fields are made anew for every answer, never replayed.
 _NOT_STORED = frozenset(
@@ -68,8 +63,20 @@ class ResponseCapture:
     client as gone; capture continues and the answer is still stored for the retry.
     """
 
-    def __init__(self, send: Send, *, max_stored_body: int, error_format: ErrorFormat) -> None:
+    def __init__(
+        self,
+        send: Send,
+        *,
+        max_stored_body: int,
+        error_format: ErrorFormat,
+        replay_marker: bytes,
+    ) -> None:
         self._send = send
+        # The gateway's own fields on an answer (the route's replay marker, the body-omitted
+        # flag): an application's answer carrying one (an upstream that keeps idempotency
+        # records itself) would reach the client, and the record, as the gateway's word that
+        # this is a replay, or that the stored body was left out.
+        self._gateway_owned = frozenset({replay_marker, BODY_OMITTED_HEADER[0]})
         self._limit = max_stored_body
         self._error_format = error_format
         self.phase = Phase.AWAITING_HEAD
@@ -106,7 +113,7 @@ class ResponseCapture:
             self.headers = [
                 (name, value)
                 for name, value in message.get("headers", [])
-                if name.lower() not in _GATEWAY_OWNED
+                if name.lower() not in self._gateway_owned
             ]
             message = {**message, "headers": self.headers}
             self._declared_length = _content_length(self.headers)
@@ -138,19 +145,24 @@ class ResponseCapture:
         )
         log.error("replacing an invalid response status: %s", error.detail)
         problem = stored_problem(error, request_id=None, error_format=self._error_format)
-        await send_stored(self.send, problem, replayed=False)
+        await send_stored(self.send, problem, replayed=None)
         self.phase = Phase.REPLACED
 
     async def finish(
-        self, *, recorded: bool, instead: StoredResponse, replayed: bool = False
+        self,
+        *,
+        recorded: bool,
+        instead: StoredResponse,
+        replayed: tuple[bytes, bytes] | None = None,
     ) -> None:
         """End the client's answer, once the record's outcome is settled; call exactly once.
 
         ``recorded``: what was held back goes out; an app that never answered is answered
         with ``instead``. Not recorded: the answer is never completed. Before its head went
         out (always, for an answer held whole) the client gets ``instead``, marked as a
-        replay when ``replayed``; after, a streamed answer stays cut short (the server closes
-        the connection), so the client cannot mistake it for a whole one and retries."""
+        replay with the ``replayed`` field when given; after, a streamed answer stays cut
+        short (the server closes the connection), so the client cannot mistake it for a
+        whole one and retries."""
         assert self.phase not in (Phase.RELEASED, Phase.WITHDRAWN), "finished twice"
         head_sent = self.started and not any(
             message["type"] == "http.response.start" for message in self._held
@@ -218,15 +230,16 @@ async def send_stored(
     send: Send,
     response: StoredResponse,
     *,
-    replayed: bool,
+    replayed: tuple[bytes, bytes] | None,
     extra: Sequence[tuple[bytes, bytes]] = (),
 ) -> None:
+    """Send a stored answer; ``replayed`` is the route's replay marker field when it is one."""
     headers: Headers = [
         (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
     ]
     headers.append((b"content-length", str(len(response.body)).encode()))
-    if replayed:
-        headers.append(REPLAYED_HEADER)
+    if replayed is not None:
+        headers.append(replayed)
     if response.body_omitted:
         headers.append(BODY_OMITTED_HEADER)
     headers.extend(extra)

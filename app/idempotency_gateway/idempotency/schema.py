@@ -59,6 +59,8 @@ records = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False),
     Column("expires_at", DateTime(timezone=True), nullable=False),
     Index("ix_idempotency_records_expires_at", "expires_at"),
+    # The admin lookup of a key across scopes (the primary key leads with the scope).
+    Index("ix_idempotency_records_idempotency_key", "idempotency_key"),
     # Finds owners that died mid-flight without scanning finished rows.
     Index(
         "ix_idempotency_records_stale_in_progress",

@@ -59,6 +59,7 @@ from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Sta
 from idempotency_gateway.idempotency.schema import records
 from idempotency_gateway.idempotency.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
 from idempotency_gateway.telemetry import tracing
+from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY, Children
 
 # Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
@@ -248,6 +249,8 @@ _DRIVER_ERRORS = (
 
 
 _store_errors = Children(STORE_ERRORS)
+# One log per statement kind, so a failing admin read cannot hide why reserves fail.
+_store_degradations: dict[str, DegradationLog] = {}
 _store_latency = Children(STORE_LATENCY)
 
 
@@ -255,6 +258,12 @@ _store_latency = Children(STORE_LATENCY)
 # over the server's, the database's or the role's limit.
 _READ_ONLY = "25006"
 _TOO_MANY_CONNECTIONS = "53300"
+# A table or column the statement names does not exist: a database not migrated to the head.
+_SCHEMA_MISSING = frozenset({"42P01", "42703"})
+SCHEMA_MISSING_DETAIL = (
+    "the idempotency store's tables are missing or out of date; the database must be "
+    "migrated (idempotency-gateway migrate)"
+)
 READ_ONLY_DETAIL = (
     "the idempotency store is read-only (a standby, or a database set read-only); keyed "
     "requests are refused until a writable primary answers"
@@ -274,6 +283,23 @@ def _sqlstate(exc: BaseException) -> str | None:
     return None
 
 
+def _driver_error(exc: BaseException) -> BaseException:
+    """The driver's own exception (asyncpg's, sqlite3's) under SQLAlchemy's wrappers."""
+    seen = exc
+    for _ in range(4):
+        inner = getattr(seen, "orig", None) or seen.__cause__
+        if inner is None:
+            break
+        seen = inner
+    return seen
+
+
+def _sqlite_schema_missing(exc: BaseException) -> bool:
+    """SQLite has no SQLSTATE: its message says so ("no such table", "no such column")."""
+    cause = getattr(exc, "orig", None) or exc
+    return isinstance(cause, sqlite3.OperationalError) and str(cause).startswith("no such ")
+
+
 def _unavailable(exc: BaseException) -> StoreUnavailable:
     """The client's problem says what is wrong in the gateway's terms; the driver's class
     stays in the exception chain and the logs, out of the answer."""
@@ -281,6 +307,8 @@ def _unavailable(exc: BaseException) -> StoreUnavailable:
         return StoreReadOnly(READ_ONLY_DETAIL)
     if _sqlstate(exc) == _TOO_MANY_CONNECTIONS:
         return StoreUnavailable("the idempotency store has no connection to spare")
+    if _sqlstate(exc) in _SCHEMA_MISSING or _sqlite_schema_missing(exc):
+        return StoreUnavailable(SCHEMA_MISSING_DETAIL)
     if isinstance(exc, TimeoutError):
         return StoreUnavailable("the idempotency store did not answer in time")
     return StoreUnavailable("the idempotency store is unreachable or failed")
@@ -297,6 +325,13 @@ def store_errors(operation: str, system: str) -> Iterator[None]:
         yield
     except _DRIVER_ERRORS as exc:
         _store_errors(operation).inc()
+        # The driver's class and message go to the log, never into a client's problem.
+        degradation = _store_degradations.get(operation)
+        if degradation is None:
+            degradation = _store_degradations[operation] = DegradationLog(
+                f"idempotency store ({operation})", fallback="answering store-unavailable"
+            )
+        degradation.failed(_driver_error(exc))
         error = _unavailable(exc)
         if span is not None:
             span.fail(error)
@@ -460,6 +495,19 @@ class RecordStore(ABC):
             records.c.status != Status.IN_PROGRESS.value,
             records.c.lease_expires_at <= self._now_sql(),
         )
+
+    async def find_by_key(
+        self, idempotency_key: str, *, operation: str | None = None, limit: int
+    ) -> list[Record]:
+        """Records of ``idempotency_key`` in every scope (of ``operation`` only, if given),
+        newest first: an operator who has a key but not the client's scope hash."""
+        statement = select(records).where(records.c.idempotency_key == idempotency_key)
+        if operation is not None:
+            statement = statement.where(records.c.operation == operation)
+        statement = statement.order_by(records.c.created_at.desc()).limit(limit)
+        async with self._connection("find_by_key") as connection:
+            rows = (await connection.execute(statement)).all()
+        return [record_from_row(row._mapping) for row in rows]
 
     async def list_stuck(self, *, limit: int) -> list[Record]:
         """``IN_PROGRESS`` records whose owner's lease ran out: owners that died or stalled."""

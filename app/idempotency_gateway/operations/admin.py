@@ -20,6 +20,7 @@ from typing import Annotated, Any, Self
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, SecretStr
 from starlette.exceptions import HTTPException
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.errors import AdminError, GatewayError, StoreReadOnly, StoreUnavailable
 from idempotency_gateway.idempotency.cache import ReplayCache
-from idempotency_gateway.idempotency.keys import scope_of
+from idempotency_gateway.idempotency.keys import MAX_KEY_LENGTH, key_hash, scope_of
 from idempotency_gateway.idempotency.record import Record, RecordKey
 from idempotency_gateway.idempotency.store import RecordStore, Removal
 from idempotency_gateway.migrate import schema_state
@@ -106,6 +107,27 @@ class RecordView(BaseModel):
         )
 
 
+class KeyMatchView(BaseModel):
+    """A record found by its key alone: enough to tell the scopes apart and to address the
+    record (``scope`` and ``operation``) in the other record endpoints."""
+
+    scope: str
+    operation: str
+    key_hash: str
+    status: str
+    attempts: int
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime
+    lease_expires_at: datetime
+
+    @classmethod
+    def of(cls, record: Record) -> Self:
+        # The record's view cut down to these fields: one place maps a record to its fields.
+        shared = RecordView.of(record).model_dump(include=set(cls.model_fields))
+        return cls(key_hash=key_hash(record.key.idempotency_key), **shared)
+
+
 class BreakerView(BaseModel):
     name: str
     state: str
@@ -163,15 +185,6 @@ def _problem_response(error: GatewayError, headers: dict[str, str] | None = None
         media_type="application/problem+json",
         headers=headers,
     )
-
-
-def _bearer(authorization: str) -> bytes:
-    """The token of ``Bearer <token>`` (the scheme in any case, RFC 9110 section 11.1),
-    empty for any other credential: no configured token is empty, so that never matches."""
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer":
-        return b""
-    return token.lstrip(" ").encode()
 
 
 def _not_found(detail: str) -> AdminError:
@@ -236,7 +249,14 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         )
         return _problem_response(_invalid(problems))
 
-    def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
+    # Declared the FastAPI way, so the OpenAPI document carries the scheme and /docs can
+    # call /admin/*; auto_error off, because the refusals are ours (404 when the API is off,
+    # a 401 problem with a challenge otherwise). HTTPBearer reads the scheme in any case.
+    bearer = HTTPBearer(auto_error=False, description="the admin token (GATEWAY_ADMIN_TOKEN)")
+
+    def require_token(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    ) -> None:
         if context.admin_token is None:
             raise AdminError(
                 "the admin API is off: set GATEWAY_ADMIN_TOKEN to turn it on",
@@ -245,8 +265,10 @@ def create_admin_app(context: AdminContext) -> FastAPI:
                 title="Admin API disabled",
             )
         expected = context.admin_token.get_secret_value().encode()
-        # Constant time: the comparison must not leak how much of a guess was right.
-        if authorization is None or not secrets.compare_digest(_bearer(authorization), expected):
+        offered = b"" if credentials is None else credentials.credentials.encode()
+        # Constant time: the comparison must not leak how much of a guess was right. No
+        # configured token is empty, so a missing credential never matches.
+        if not secrets.compare_digest(offered, expected):
             raise AdminError(
                 "send Authorization: Bearer <admin token>",
                 status=401,
@@ -338,6 +360,19 @@ def create_admin_app(context: AdminContext) -> FastAPI:
         if record is None:
             raise _not_found("no record for that scope, operation and key")
         return RecordView.of(record, include_body=include_body)
+
+    @app.get("/admin/records/by-key", **admin, tags=["records"])
+    async def records_by_key(
+        key: Annotated[str, Query(min_length=1, max_length=MAX_KEY_LENGTH)],
+        operation: Annotated[
+            str | None, Query(description="e.g. 'POST /v1/charges'", min_length=1)
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[KeyMatchView]:
+        """Records of a key in every scope (of one operation, if given), newest first. The
+        access log's ``key_hash`` is the ``key_hash`` here: a log line finds its record."""
+        found = await context.store.find_by_key(key, operation=operation, limit=limit)
+        return [KeyMatchView.of(record) for record in found]
 
     @app.get("/admin/records/stuck", **admin, tags=["records"])
     async def stuck_records(

@@ -34,7 +34,7 @@ from idempotency_gateway.proxy.resilient import (
 )
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.target import RequestTarget, target_of
-from idempotency_gateway.telemetry.request_log import request_log_of
+from idempotency_gateway.telemetry.request_log import RequestOutcome, note_outcome, request_log_of
 
 
 class ResponseCutShort(Exception):
@@ -84,10 +84,12 @@ class ProxyApp:
     def _report(self, scope: Scope, error: UpstreamError) -> None:
         """Tell the idempotency layer whether the request left, and the client whether a
         retry with its key will run again."""
+        not_sent = isinstance(error, UpstreamNotSent)
+        if not_sent:
+            note_outcome(scope, RequestOutcome.NOT_EXECUTED)
         execution = execution_of(scope)
         if execution is None:
             return
-        not_sent = isinstance(error, UpstreamNotSent)
         execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
         if not not_sent and self._retries_ambiguous(scope):
             # The record stays retryable: the client's retry with the key runs again.

@@ -7,6 +7,10 @@ the config, operation names and outcome words, never paths, keys or credentials.
 
 Gauges use a ``live*`` multiprocess mode: the supervisor drops a dead worker's gauge files
 (``multiprocess.forget_dead_workers``), so a gauge never speaks for a process that is gone.
+
+``serve`` runs every worker this way, one or many, so a scrape shows the same families
+whatever the worker count: no ``_created`` series, every family declared here present before
+its first sample, and a ``pid`` label only on the per-worker ``process_*`` families.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
 from prometheus_client import (
@@ -22,14 +27,22 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, live_worker_pids
 from idempotency_gateway.telemetry.worker_processes import WorkerProcessCollector
 
 PREFIX = "idempotency_gateway_"
+
+# A ``_created`` series per child doubles the series count and means nothing to the alerts;
+# multiprocess scrapes never have them, so a single process must not either.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 
@@ -218,6 +231,36 @@ BREAKER_STATE_VALUES = {
 
 
 BUILD_INFO.labels(_package_version(), platform.python_version()).set(1)
+# Label values known in advance: their series exist (at zero) before the first event, so a
+# rate() over them starts from the first scrape instead of the first failure.
+for _result in ("hit", "miss", "error"):
+    CACHE_LOOKUPS.labels(_result)
+for _result in ("released", "absent", "dropped"):
+    ORPHAN_RELEASES.labels(_result)
+
+# Every family above, for scrapes that must show them before their first sample.
+DECLARED: tuple[MetricWrapperBase, ...] = tuple(
+    value for value in list(globals().values()) if isinstance(value, MetricWrapperBase)
+)
+
+
+class EveryFamily(Collector):
+    """The workers' merged samples, plus an empty family for each declared metric no worker
+    has written yet: a multiprocess scrape otherwise shows a family only from its first
+    sample, so alerts and dashboards would see it appear later with N workers than with one."""
+
+    def __init__(self, merged: Collector, declared: Iterable[MetricWrapperBase]) -> None:
+        self._merged = merged
+        self._declared = tuple(declared)
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self._merged.collect())
+        seen = {family.name for family in families}
+        yield from families
+        for metric in self._declared:
+            for family in metric.describe():
+                if family.name not in seen:
+                    yield family
 
 
 def exposition() -> tuple[bytes, str]:
@@ -225,7 +268,8 @@ def exposition() -> tuple[bytes, str]:
     directory = os.environ.get(MULTIPROCESS_ENV)
     if directory:
         registry = CollectorRegistry()
-        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        merged = MultiProcessCollector(None)  # type: ignore[no-untyped-call]
+        registry.register(EveryFamily(merged, DECLARED))
         registry.register(WorkerProcessCollector(lambda: live_worker_pids(directory)))
         return generate_latest(registry), CONTENT_TYPE_LATEST
     from prometheus_client import REGISTRY

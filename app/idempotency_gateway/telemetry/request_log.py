@@ -34,6 +34,9 @@ class RequestOutcome(StrEnum):
     a misspelt outcome fails type checking instead of starting a new time series."""
 
     EXECUTED = "executed"
+    # Never reached the upstream (circuit open, connection refused, lease not confirmed):
+    # the gateway answered 5xx itself, and a retry with the key runs again.
+    NOT_EXECUTED = "not_executed"
     REPLAYED = "replayed"
     CONFLICT_IN_FLIGHT = "conflict_in_flight"
     MISMATCH = "mismatch"
@@ -58,6 +61,7 @@ class RequestLog:
     attempts: int = 0
     status: int | None = None
     scope_hash: str | None = None
+    key_hash: str | None = None
     duration_ms: float = 0.0
 
 
