@@ -9,15 +9,17 @@ from ``GATEWAY_TEST_REDIS_URL`` (default: database 15 of the local server), just
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import asyncpg
 import pytest
 import redis
 import redis.asyncio
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.idempotency.store import RecordStore, asyncpg_dsn_of
 from idempotency_gateway.migrate import upgrade_to_head
 from tests.support import RecordingUpstream
 from tests.support.clock import ManualClock
@@ -88,8 +90,6 @@ async def store(database_url: str, clock: ManualClock) -> AsyncIterator[RecordSt
 @pytest.fixture
 def unique() -> Callable[[str], str]:
     """Unique key names, so tests sharing the PostgreSQL database never collide."""
-    import uuid
-
     run = uuid.uuid4().hex[:12]
     return lambda name: f"{name}-{run}"
 
@@ -99,3 +99,17 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
     """A fresh recording upstream per test: tests count its executions, so none is shared."""
     async with RecordingUpstream() as running:
         yield running
+
+
+@pytest.fixture
+async def empty_postgres_database(postgres_url: str) -> AsyncIterator[str]:
+    """A fresh PostgreSQL database nobody migrated, on the test server, dropped afterwards."""
+    name = f"igw_empty_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        base, _, _ = postgres_url.rpartition("/")
+        yield f"{base}/{name}"
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()

@@ -18,11 +18,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-import asyncpg
 import httpx
 import pytest
 
-from idempotency_gateway.idempotency.store import asyncpg_dsn_of
 from tests.support.readme import python_example
 from tests.support.servers import LOOPBACK, free_port
 from tests.support.waiting import eventually
@@ -52,23 +50,13 @@ def _listen_args(server: str, port: int) -> list[str]:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-async def fresh_database(
-    request: pytest.FixtureRequest, postgres_url: str, tmp_path: Path
-) -> AsyncIterator[str]:
-    """A database nobody migrated: a new SQLite file, or a PostgreSQL database dropped
-    afterwards."""
+def fresh_database(
+    request: pytest.FixtureRequest, tmp_path: Path, empty_postgres_database: str
+) -> str:
+    """A database nobody migrated: a new SQLite file, or a new PostgreSQL database."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'idempotency.db'}"
-        return
-    name = f"igw_served_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        base, _, _ = postgres_url.rpartition("/")
-        yield f"{base}/{name}"
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
+        return f"sqlite:///{tmp_path / 'idempotency.db'}"
+    return empty_postgres_database
 
 
 @contextlib.asynccontextmanager

@@ -8,10 +8,8 @@ on a PostgreSQL database created for the test.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import asyncpg
 import httpx
 import pytest
 
@@ -21,32 +19,19 @@ from idempotency_gateway.idempotency.record import RecordKey
 from idempotency_gateway.idempotency.store import (
     SCHEMA_MISSING_DETAIL,
     RecordStore,
-    asyncpg_dsn_of,
 )
 from idempotency_gateway.migrate import head_revision, upgrade_to_head_async
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.keyed import keyed_gateway_config, send_keyed
 
 
-@pytest.fixture
-async def empty_database(postgres_url: str) -> AsyncIterator[str]:
-    """A fresh, empty PostgreSQL database on the test server, dropped afterwards."""
-    name = f"igw_empty_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        base, _, _ = postgres_url.rpartition("/")
-        yield f"{base}/{name}"
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
-
-
 async def test_readyz_is_503_until_the_schema_is_at_the_head(
-    tmp_path: Path, empty_database: str, upstream: RecordingUpstream
+    tmp_path: Path, empty_postgres_database: str, upstream: RecordingUpstream
 ) -> None:
     config = write_config(tmp_path, keyed_gateway_config(upstream.url).model_dump(mode="json"))
-    gateway = GatewayProcess(config, env={"GATEWAY_DATABASE_URL": empty_database}, log_dir=tmp_path)
+    gateway = GatewayProcess(
+        config, env={"GATEWAY_DATABASE_URL": empty_postgres_database}, log_dir=tmp_path
+    )
     try:
         await gateway.start()
         async with (
@@ -56,7 +41,7 @@ async def test_readyz_is_503_until_the_schema_is_at_the_head(
             before = await admin.get("/readyz")
             keyed_before = await send_keyed(client, f"before-{uuid.uuid4().hex}")
 
-            await upgrade_to_head_async(empty_database)
+            await upgrade_to_head_async(empty_postgres_database)
 
             after = await admin.get("/readyz")
             keyed_after = await send_keyed(client, f"after-{uuid.uuid4().hex}")
