@@ -89,15 +89,13 @@ async def test_asynchronous_standby_loses_answered_keys(
 ) -> None:
     report = await _failover_run(tmp_path, fault_reports, synchronous=False)
 
-    # An answer a client holds that the new primary's record contradicts (or lacks): the
-    # replay after the run executed the key again and stored another answer.
-    lost = [
+    # What the new primary lacks shows one of two ways: an answer a client holds that its
+    # record contradicts (a later request found no record and settled or ran the key anew,
+    # or the replay after the run found none), or a key executed twice on the fail route.
+    contradicted = [
         violation
         for violation in report.violations
         if "but the record stores" in violation or "there is no record" in violation
     ]
-    assert lost, report.table()
-    assert (
-        report.counts["  answered as replays"]
-        < report.counts["replays after the run (cache emptied)"]
-    ), report.table()
+    executed_again = report.counts["duplicate executions (fail route)"]
+    assert contradicted or executed_again > 0, report.table()
