@@ -140,14 +140,18 @@ def _query_fields(query_string: bytes) -> list[tuple[bytes, bytes | None]]:
 
     Different names commute, but a repeated name keeps the order its values came in:
     frameworks read ``a=1&a=2`` as a list, or take its first or its last value, so
-    ``amount=1&amount=1000`` and ``amount=1000&amount=1`` are two different requests."""
+    ``amount=1&amount=1000`` and ``amount=1000&amount=1`` are two different requests. Names
+    that differ only in ASCII case count as one name here, since some frameworks (ASP.NET
+    Core) bind them as one: ``amount=1&Amount=1000`` and ``Amount=1000&amount=1`` keep their
+    orders, and differ."""
     fields: list[tuple[bytes, bytes | None]] = []
     for pair in query_string.split(b"&"):
         if not pair:
             continue
         name, equals, value = pair.partition(b"=")
         fields.append((_unquote_plus(name), _unquote_plus(value) if equals else None))
-    fields.sort(key=lambda field: field[0])  # stable: values of one name keep their order
+    # Stable: the values of one name (in any case) keep their order.
+    fields.sort(key=lambda field: field[0].lower())
     return fields
 
 
