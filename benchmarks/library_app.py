@@ -42,7 +42,7 @@ def create_api(mode: str) -> FastAPI:
     if mode == "gateway":
         from idempotency_gateway.config import IdempotencyConfig, StoreConfig
         from idempotency_gateway.idempotency import IdempotencyMiddleware
-        from idempotency_gateway.idempotency.store import RecordStore
+        from idempotency_gateway.storage.base import RecordStore
 
         store = RecordStore.from_url(os.environ["BENCH_DATABASE_URL"], StoreConfig())
         closers.append(store.close)

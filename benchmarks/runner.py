@@ -361,7 +361,7 @@ class Run:
             )
         self.notes.append(
             "The PostgreSQL-only replay runs with `cache: {max_entries: 0}`: the in-process LRU "
-            "then evicts every entry as it is stored (app/idempotency/cache.py), so every replay "
+            "then evicts every entry as it is stored (app/replay/cache.py), so every replay "
             "reads PostgreSQL (one `INSERT ... ON CONFLICT` round trip)."
         )
 

@@ -17,9 +17,9 @@ import uuid
 from pathlib import Path
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.record import Fence, RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.store import Claim, RecordStore
 from idempotency_gateway.migrate import upgrade_to_head
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.records import Fence, RecordKey, Status, StoredResponse
 
 ANSWER = StoredResponse(201, [("content-type", "application/json")], b'{"id":"ch_1"}' * 8)
 

@@ -9,8 +9,8 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_gateway.idempotency.schema import metadata
-from idempotency_gateway.idempotency.store import normalize_database_url
+from idempotency_gateway.storage.base import normalize_database_url
+from idempotency_gateway.storage.schema import metadata
 
 # An arbitrary constant naming the gateway's migration lock among the database's advisory locks.
 _MIGRATION_LOCK = 7_041_873_512

@@ -19,8 +19,8 @@ import redis
 import redis.asyncio
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.store import RecordStore, asyncpg_dsn_of
 from idempotency_gateway.migrate import upgrade_to_head
+from idempotency_gateway.storage.base import RecordStore, asyncpg_dsn_of
 from tests.support import RecordingUpstream
 from tests.support.clock import ManualClock
 

@@ -36,10 +36,10 @@ from sqlalchemy import delete, inspect
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_gateway.config import ADMIN_TOKEN_ENV, ConfigError, GatewayConfig
-from idempotency_gateway.idempotency.cache import cache_key
 from idempotency_gateway.idempotency.keys import key_hash
-from idempotency_gateway.idempotency.schema import breaker_overrides
 from idempotency_gateway.main import Gateway, create_gateway
+from idempotency_gateway.replay.cache import cache_key
+from idempotency_gateway.storage.schema import breaker_overrides
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
 from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route

@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.storage.base import RecordStore
 from tests.support.gateway import PRIMARY, GatewayLauncher, gateway_config, route
 from tests.support.keyed import AUTHORIZATION, record_key, send_keyed
 from tests.support.problems import assert_problem

@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.cache import CachedAnswer, InProcessCache
-from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.store import asyncpg_dsn_of, create_engine_for
 from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL, CacheInvalidations
+from idempotency_gateway.replay.cache import CachedAnswer, InProcessCache
+from idempotency_gateway.storage.base import asyncpg_dsn_of, create_engine_for
+from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.charges import CHARGE, CHARGES
 from tests.support.keyed import AUTHORIZATION, is_replay, keyed_gateway_config, record_key

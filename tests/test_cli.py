@@ -29,9 +29,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_gateway.cli import main
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.store import Claim, RecordStore
 from idempotency_gateway.migrate import alembic_config
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
 from tests.support.clock import ManualClock
 from tests.support.problems import assert_problem

@@ -18,9 +18,9 @@ import pytest
 import redis.asyncio
 from redis.crc import key_slot
 
-from idempotency_gateway.idempotency.cluster_wakeups import ClusterWakeups
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.wakeups import channel_for
+from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
+from idempotency_gateway.replay.wakeups import channel_for
+from idempotency_gateway.storage.records import RecordKey
 from tests.support.redis_nodes import RedisClusterNodes, RedisNode, tolerates_dead_node_leaks
 from tests.support.waiting import eventually
 

@@ -19,9 +19,9 @@ from idempotency_gateway.cli import main
 from idempotency_gateway.config import ConfigError, StoreConfig, environment_settings
 from idempotency_gateway.database_url import asyncpg_dsn_of, normalize_database_url
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.store import Claim, RecordStore, Removal
 from idempotency_gateway.migrate import upgrade_to_head_async
+from idempotency_gateway.storage.base import Claim, RecordStore, Removal
+from idempotency_gateway.storage.records import RecordKey
 from tests.support import eventually, free_port
 
 

@@ -23,7 +23,7 @@ from idempotency_gateway.config import (
     load_config,
 )
 from idempotency_gateway.idempotency import IdempotencyMiddleware
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.storage.base import RecordStore
 from tests.support import RecordingUpstream, eventually, serve_asgi
 from tests.support.charges import CHARGES
 from tests.support.edge import (

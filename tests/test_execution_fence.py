@@ -25,8 +25,8 @@ import pytest
 import pytest_asyncio
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.record import Record, Status
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.records import Record, Status
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import route
 from tests.support.keyed import keyed_gateway_config, record_key, send_keyed

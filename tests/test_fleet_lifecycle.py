@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.record import Status
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.records import Status
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.charges import CHARGES
 from tests.support.gateway import gateway_config, route

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
-from idempotency_gateway.idempotency.record import RecordKey, Status
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.records import RecordKey, Status
 from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.gateway import (

@@ -43,9 +43,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from idempotency_gateway.client import IdempotentClient
 from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.errors import InvalidRequestTarget
-from idempotency_gateway.idempotency.schema import OPERATION_MAX_LENGTH
 from idempotency_gateway.main import create_gateway
 from idempotency_gateway.server.protocol import EdgeProtocol
+from idempotency_gateway.storage.schema import OPERATION_MAX_LENGTH
 from idempotency_gateway.target import canonical_path
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.background import InBackgroundThread

@@ -27,6 +27,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"routing"}),
     frozenset({"telemetry", "server", "drain"}),
     frozenset({"resilience"}),
+    frozenset({"storage"}),
+    frozenset({"replay"}),
     frozenset({"idempotency", "proxy"}),
     frozenset({"migrate"}),
     frozenset({"operations"}),

@@ -22,8 +22,8 @@ from idempotency_gateway.errors import LeaseNotConfirmed
 from idempotency_gateway.execution import Execution, Outcome
 from idempotency_gateway.idempotency.lease import MARGIN_FRACTION, Lease
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
-from idempotency_gateway.idempotency.record import Fence, Record, RecordKey
-from idempotency_gateway.idempotency.store import Claim, RecordStore, Removal
+from idempotency_gateway.storage.base import Claim, RecordStore, Removal
+from idempotency_gateway.storage.records import Fence, Record, RecordKey
 from tests.support import eventually
 from tests.support.clock import ManualClock
 from tests.support.tcp_proxy import TcpProxy

@@ -47,9 +47,9 @@ from idempotency_gateway.execution import Execution, Outcome
 from idempotency_gateway.idempotency.lease import Lease
 from idempotency_gateway.idempotency.machine import Action, decide
 from idempotency_gateway.idempotency.owner import new_owner_id
-from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status
-from idempotency_gateway.idempotency.store import Claim, RecordStore
 from idempotency_gateway.migrate import upgrade_to_head
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status
 from tests.support.clock import ManualClock
 
 T = TypeVar("T")

@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 
 from idempotency_gateway import IdempotencyConfig, IdempotencyMiddleware, Outcome, RecordStore
 from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.store import Claim
+from idempotency_gateway.storage.base import Claim
+from idempotency_gateway.storage.records import RecordKey
 from tests.support import serve_asgi
 from tests.support.clock import ManualClock
 from tests.support.problems import assert_problem

@@ -35,9 +35,9 @@ from idempotency_gateway import (
 from idempotency_gateway.config import CacheConfig
 from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE
 from idempotency_gateway.idempotency.policy import PolicySource
-from idempotency_gateway.idempotency.record import RecordKey, Status
-from idempotency_gateway.idempotency.store import Claim
 from idempotency_gateway.operations.lifespan import Lifespan
+from idempotency_gateway.storage.base import Claim
+from idempotency_gateway.storage.records import RecordKey, Status
 from tests.support import eventually
 from tests.support.clock import ManualClock
 from tests.support.problems import assert_problem

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.record import Record, RecordKey, Status
-from idempotency_gateway.idempotency.store import Claim, RecordStore
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.records import Record, RecordKey, Status
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import route
 from tests.support.keyed import is_replay, keyed_gateway_config, record_key, send_keyed

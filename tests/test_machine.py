@@ -10,7 +10,7 @@ import pytest
 from idempotency_gateway.config import IdempotencyConfig, OnAmbiguous
 from idempotency_gateway.execution import Outcome
 from idempotency_gateway.idempotency.machine import Action, classify, decide
-from idempotency_gateway.idempotency.record import Record, RecordKey, Status, StoredResponse
+from idempotency_gateway.storage.records import Record, RecordKey, Status, StoredResponse
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 REQUEST_HASH = "a" * 64

@@ -31,9 +31,9 @@ import pytest
 import redis.asyncio
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.cache import cache_key
-from idempotency_gateway.idempotency.store import RecordStore, asyncpg_dsn_of
 from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL
+from idempotency_gateway.replay.cache import cache_key
+from idempotency_gateway.storage.base import RecordStore, asyncpg_dsn_of
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.charges import CHARGES
 from tests.support.clock import skewed_clock_env

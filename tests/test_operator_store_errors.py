@@ -15,9 +15,9 @@ import pytest
 from pydantic import SecretStr
 
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.cache import CachedAnswer, InProcessCache
-from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
 from idempotency_gateway.main import Gateway, create_gateway
+from idempotency_gateway.replay.cache import CachedAnswer, InProcessCache
+from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support.gateway import gateway_config, unreachable_database_url
 from tests.support.servers import TEST_SCOPE_SECRET, serve_asgi
 from tests.support.waiting import eventually

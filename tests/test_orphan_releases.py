@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.orphans import OrphanReleases
-from idempotency_gateway.idempotency.record import Fence, RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.store import Claim, RecordStore
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.records import Fence, RecordKey, Status, StoredResponse
 from tests.support import eventually
 from tests.support.gateway import unreachable_database_url
 

@@ -16,8 +16,8 @@ from prometheus_client import REGISTRY
 
 from idempotency_gateway.clock import lease_clock
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
-from idempotency_gateway.idempotency.record import Record, RecordKey
-from idempotency_gateway.idempotency.store import Claim, RecordStore
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.records import Record, RecordKey
 from tests.support import eventually
 from tests.support.clock import ManualClock
 

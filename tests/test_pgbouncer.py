@@ -24,8 +24,8 @@ import pytest
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore
+from idempotency_gateway.storage.base import SWEEP_LOCK_ID, Claim, RecordStore
+from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.clock import ManualClock
 from tests.support.keyed import is_replay, keyed_gateway_config, send_keyed

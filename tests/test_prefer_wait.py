@@ -22,7 +22,7 @@ import redis.asyncio
 
 from idempotency_gateway.asgi import Headers
 from idempotency_gateway.idempotency.prefer import requested_wait
-from idempotency_gateway.idempotency.wakeups import LocalWakeups, channel_for
+from idempotency_gateway.replay.wakeups import LocalWakeups, channel_for
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import GatewayLauncher, RunningGateway, route
 from tests.support.keyed import (

@@ -15,12 +15,12 @@ import pytest
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.store import (
+from idempotency_gateway.migrate import head_revision, upgrade_to_head_async
+from idempotency_gateway.storage.base import (
     SCHEMA_MISSING_DETAIL,
     RecordStore,
 )
-from idempotency_gateway.migrate import head_revision, upgrade_to_head_async
+from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.keyed import keyed_gateway_config, send_keyed
 

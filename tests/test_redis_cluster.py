@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import pytest_asyncio
 
-from idempotency_gateway.idempotency.cache import CachedAnswer
-from idempotency_gateway.idempotency.cluster_wakeups import ClusterWakeups
-from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.redis_cache import RedisCache
-from idempotency_gateway.idempotency.redis_connection import connect_redis
+from idempotency_gateway.replay.cache import CachedAnswer
+from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
+from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connection import connect_redis
+from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support.redis_nodes import RedisClusterNodes, tolerates_dead_node_leaks
 from tests.support.waiting import eventually
 

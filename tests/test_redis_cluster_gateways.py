@@ -23,9 +23,9 @@ import redis.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import RedisCluster
 
-from idempotency_gateway.idempotency.cache import cache_key
-from idempotency_gateway.idempotency.redis_connection import connect_redis
-from idempotency_gateway.idempotency.wakeups import channel_for
+from idempotency_gateway.replay.cache import cache_key
+from idempotency_gateway.replay.redis_connection import connect_redis
+from idempotency_gateway.replay.wakeups import channel_for
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import route
 from tests.support.keyed import (

@@ -16,7 +16,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError
 
-from idempotency_gateway.idempotency.redis_direct import DirectCommands
+from idempotency_gateway.replay.redis_direct import DirectCommands
 from tests.support.waiting import eventually
 
 

@@ -20,12 +20,12 @@ import redis.asyncio
 from redis.asyncio.connection import AbstractConnection
 
 from idempotency_gateway.config import BreakerConfig
-from idempotency_gateway.idempotency.cache import CachedAnswer, cache_key
-from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.redis_cache import RedisCache
-from idempotency_gateway.idempotency.redis_connection import connect_redis
-from idempotency_gateway.idempotency.wakeups import RedisWakeups
+from idempotency_gateway.replay.cache import CachedAnswer, cache_key
+from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connection import connect_redis
+from idempotency_gateway.replay.wakeups import RedisWakeups
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support.clock import ManualClock, state_of
 from tests.support.redis_nodes import RedisNode
 from tests.support.waiting import eventually

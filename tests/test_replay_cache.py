@@ -27,7 +27,7 @@ import pytest
 import redis.asyncio
 from redis.exceptions import RedisError
 
-from idempotency_gateway.idempotency.cache import (
+from idempotency_gateway.replay.cache import (
     INVALIDATION_GUARD,
     CachedAnswer,
     InProcessCache,
@@ -35,10 +35,10 @@ from idempotency_gateway.idempotency.cache import (
     decode,
     encode,
 )
-from idempotency_gateway.idempotency.record import RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.redis_cache import RedisCache
-from idempotency_gateway.idempotency.redis_connection import connect_redis
+from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connection import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState
+from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.charges import CHARGE
 from tests.support.clock import ManualClock

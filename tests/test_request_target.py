@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from idempotency_gateway.config import IdempotencyConfig
 from idempotency_gateway.errors import InvalidRequestTarget
 from idempotency_gateway.idempotency import IdempotencyMiddleware
-from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.routing import PrefixRouter
+from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.target import canonical_path, rewritten_path
 from tests.support import GatewayProcess, RecordingUpstream, serve_asgi, write_config
 from tests.support.background import InBackgroundThread

@@ -25,12 +25,12 @@ import pytest
 from idempotency_gateway.config import UpstreamConfig
 from idempotency_gateway.errors import CircuitOpen, DeadlineExhausted, LeaseNotConfirmed
 from idempotency_gateway.execution import Execution, Outcome
-from idempotency_gateway.idempotency.record import Record, RecordKey, Status
-from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import RequestFactory, ResilientUpstream, RetryPlan
 from idempotency_gateway.resilience.breaker import BreakerState
+from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.records import Record, RecordKey, Status
 from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.charges import CHARGES, keyed_headers
 from tests.support.clock import ManualClock, state_of

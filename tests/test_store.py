@@ -23,16 +23,16 @@ from sqlalchemy import func, inspect, select
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.schema import records
-from idempotency_gateway.idempotency.store import (
+from idempotency_gateway.migrate import alembic_config, upgrade_to_head
+from idempotency_gateway.storage.base import (
     SWEEP_LOCK_ID,
     Claim,
     RecordStore,
     Removal,
     Reservation,
 )
-from idempotency_gateway.migrate import alembic_config, upgrade_to_head
+from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status, StoredResponse
+from idempotency_gateway.storage.schema import records
 from tests.support import free_port
 from tests.support.clock import ManualClock
 

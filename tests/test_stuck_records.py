@@ -13,8 +13,8 @@ from collections.abc import Callable
 from prometheus_client import REGISTRY
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.store import Claim, RecordStore
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
 from tests.support.clock import ManualClock
 from tests.support.gateway import unreachable_database_url

@@ -32,10 +32,10 @@ from sqlalchemy import delete, event, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from idempotency_gateway.config import StoreConfig, SweeperConfig
-from idempotency_gateway.idempotency.record import RecordKey, Status
-from idempotency_gateway.idempotency.schema import records
-from idempotency_gateway.idempotency.store import SWEEP_LOCK_ID, Claim, RecordStore
 from idempotency_gateway.operations.sweeper import Sweeper
+from idempotency_gateway.storage.base import SWEEP_LOCK_ID, Claim, RecordStore
+from idempotency_gateway.storage.records import RecordKey, Status
+from idempotency_gateway.storage.schema import records
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.charges import CHARGES
 from tests.support.clock import ManualClock

@@ -27,14 +27,14 @@ if TYPE_CHECKING:
     )
     from idempotency_gateway.errors import GatewayError
     from idempotency_gateway.execution import Execution, Outcome
-    from idempotency_gateway.idempotency.cache import InProcessCache
     from idempotency_gateway.idempotency.endpoints import idempotent
     from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
-    from idempotency_gateway.idempotency.redis_cache import RedisCache
-    from idempotency_gateway.idempotency.redis_connection import connect_redis
-    from idempotency_gateway.idempotency.store import RecordStore
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.operations.lifespan import idempotency_lifespan
+    from idempotency_gateway.replay.cache import InProcessCache
+    from idempotency_gateway.replay.redis_cache import RedisCache
+    from idempotency_gateway.replay.redis_connection import connect_redis
+    from idempotency_gateway.storage.base import RecordStore
 
 try:
     __version__ = version("idempotency-gateway")
@@ -43,10 +43,10 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 _HOMES = {
     "IdempotencyMiddleware": "idempotency_gateway.idempotency.middleware",
-    "RecordStore": "idempotency_gateway.idempotency.store",
-    "InProcessCache": "idempotency_gateway.idempotency.cache",
-    "RedisCache": "idempotency_gateway.idempotency.redis_cache",
-    "connect_redis": "idempotency_gateway.idempotency.redis_connection",
+    "RecordStore": "idempotency_gateway.storage.base",
+    "InProcessCache": "idempotency_gateway.replay.cache",
+    "RedisCache": "idempotency_gateway.replay.redis_cache",
+    "connect_redis": "idempotency_gateway.replay.redis_connection",
     "AnonymousPolicy": "idempotency_gateway.config",
     "CacheConfig": "idempotency_gateway.config",
     "IdempotencyConfig": "idempotency_gateway.config",

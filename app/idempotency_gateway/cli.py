@@ -180,7 +180,7 @@ def _migrate(args: argparse.Namespace) -> int:
 
 async def _database_error(url: str) -> str | None:
     from idempotency_gateway.errors import StoreUnavailable
-    from idempotency_gateway.idempotency.store import RecordStore
+    from idempotency_gateway.storage.base import RecordStore
 
     store = RecordStore.from_url(url, StoreConfig())
     try:
@@ -194,8 +194,8 @@ async def _database_error(url: str) -> str | None:
 
 def _sweep(args: argparse.Namespace) -> int:
     from idempotency_gateway.errors import StoreUnavailable
-    from idempotency_gateway.idempotency.store import RecordStore
     from idempotency_gateway.main import database_url_or_default
+    from idempotency_gateway.storage.base import RecordStore
 
     async def sweep_all() -> int | None:
         store = RecordStore.from_url(

@@ -35,15 +35,9 @@ from idempotency_gateway.config import (
     validate_config,
 )
 from idempotency_gateway.drain import DrainState
-from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
-from idempotency_gateway.idempotency.cluster_wakeups import ClusterWakeups
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
-from idempotency_gateway.idempotency.redis_cache import RedisCache
-from idempotency_gateway.idempotency.redis_connection import connect_redis
 from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
-from idempotency_gateway.idempotency.store import RecordStore
-from idempotency_gateway.idempotency.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.migrate import upgrade_to_head_async
 from idempotency_gateway.operations.admin import AdminContext, create_admin_app
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
@@ -52,11 +46,17 @@ from idempotency_gateway.operations.sweeper import Sweeper
 from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
+from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
+from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
+from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connection import connect_redis
+from idempotency_gateway.replay.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.resilience.bulkhead import publish_every
 from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
 from idempotency_gateway.routing import RouteRequests, check_routes
 from idempotency_gateway.server.heap import settle_after_startup
+from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.loop_lag import LoopLagMonitor
 from idempotency_gateway.telemetry.metrics import (

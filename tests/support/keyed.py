@@ -16,7 +16,7 @@ import httpx
 
 from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.idempotency.keys import scope_of
-from idempotency_gateway.idempotency.record import RecordKey
+from idempotency_gateway.storage.records import RecordKey
 from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.gateway import gateway_config, route
 from tests.support.servers import TEST_SCOPE_SECRET

@@ -24,7 +24,7 @@ import redis.asyncio
 from redis.asyncio import RedisCluster
 from redis.exceptions import RedisError
 
-from idempotency_gateway.idempotency.redis_connection import connect_redis
+from idempotency_gateway.replay.redis_connection import connect_redis
 from tests.support.lifecycle import StartedInContext
 from tests.support.servers import LOOPBACK, free_port
 from tests.support.waiting import eventually

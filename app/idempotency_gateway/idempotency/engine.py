@@ -28,23 +28,23 @@ from idempotency_gateway.errors import (
 )
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
 from idempotency_gateway.idempotency.app_failure import send_app_failure
-from idempotency_gateway.idempotency.cache import CachedAnswer, ReplayCache, expiry_of
 from idempotency_gateway.idempotency.keys import key_hash
 from idempotency_gateway.idempotency.machine import Action, classify, decide
 from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.policy import RoutePolicy
-from idempotency_gateway.idempotency.record import (
+from idempotency_gateway.idempotency.responses import ResponseCapture, send_stored, stored_problem
+from idempotency_gateway.replay.cache import CachedAnswer, ReplayCache, expiry_of
+from idempotency_gateway.replay.wakeups import Wakeups
+from idempotency_gateway.request_id import request_id_of
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.records import (
     REPLAYABLE,
     Record,
     RecordKey,
     Status,
     StoredResponse,
 )
-from idempotency_gateway.idempotency.responses import ResponseCapture, send_stored, stored_problem
-from idempotency_gateway.idempotency.store import Claim, RecordStore
-from idempotency_gateway.idempotency.wakeups import Wakeups
-from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.telemetry.metrics import TAKEOVERS
 from idempotency_gateway.telemetry.request_log import (
     RequestOutcome,

@@ -25,8 +25,8 @@ import logging
 
 from idempotency_gateway.clock import Monotonic, lease_clock
 from idempotency_gateway.errors import LeaseNotConfirmed, StoreUnavailable
-from idempotency_gateway.idempotency.record import Fence, RecordKey
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.records import Fence, RecordKey
 
 log = logging.getLogger(__name__)
 

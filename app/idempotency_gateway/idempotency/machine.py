@@ -21,7 +21,7 @@ from enum import Enum, auto
 
 from idempotency_gateway.config import IdempotencyConfig, OnAmbiguous
 from idempotency_gateway.execution import Outcome
-from idempotency_gateway.idempotency.record import Record, Status
+from idempotency_gateway.storage.records import Record, Status
 
 
 class Action(Enum):

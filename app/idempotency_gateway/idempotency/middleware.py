@@ -42,7 +42,6 @@ from idempotency_gateway.errors import (
     RequestRejected,
     StoreUnavailable,
 )
-from idempotency_gateway.idempotency.cache import InProcessCache, ReplayCache
 from idempotency_gateway.idempotency.endpoints import RouteMarkers
 from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedRequest
 from idempotency_gateway.idempotency.fingerprint import fingerprint, request_hash
@@ -55,12 +54,13 @@ from idempotency_gateway.idempotency.keys import (
 from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from idempotency_gateway.idempotency.prefer import requested_wait
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.schema import OPERATION_MAX_LENGTH
-from idempotency_gateway.idempotency.store import RecordStore
-from idempotency_gateway.idempotency.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.problems import send_problem
+from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
+from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.request_id import request_id_of
+from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.records import RecordKey
+from idempotency_gateway.storage.schema import OPERATION_MAX_LENGTH
 from idempotency_gateway.target import RequestTarget, target_or_refuse
 from idempotency_gateway.telemetry.request_log import (
     AccessLogMiddleware,

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.resilience.backoff import full_jitter
+from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.metrics import ORPHAN_RELEASES
 
 log = logging.getLogger(__name__)

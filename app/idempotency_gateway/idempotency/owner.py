@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 
 from idempotency_gateway.errors import LeaseNotConfirmed, StoreUnavailable
 from idempotency_gateway.idempotency.lease import Lease
-from idempotency_gateway.idempotency.record import Fence, Record, Status, StoredResponse
-from idempotency_gateway.idempotency.store import RecordStore
 from idempotency_gateway.resilience.backoff import full_jitter
+from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.records import Fence, Record, Status, StoredResponse
 from idempotency_gateway.telemetry.metrics import FENCED_WRITES
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from enum import Enum
 from idempotency_gateway.asgi import Headers, Message, Send
 from idempotency_gateway.config import ErrorFormat
 from idempotency_gateway.errors import GatewayError, UpstreamInvalidResponse, is_final_status
-from idempotency_gateway.idempotency.record import StoredResponse
 from idempotency_gateway.problems import error_answer
+from idempotency_gateway.storage.records import StoredResponse
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ from starlette.exceptions import HTTPException
 
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.errors import AdminError, GatewayError, StoreReadOnly, StoreUnavailable
-from idempotency_gateway.idempotency.cache import ReplayCache
 from idempotency_gateway.idempotency.keys import MAX_KEY_LENGTH, key_hash, scope_of
-from idempotency_gateway.idempotency.record import Record, RecordKey
-from idempotency_gateway.idempotency.store import RecordStore, Removal
 from idempotency_gateway.migrate import schema_state
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
 from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
 from idempotency_gateway.problems import CHALLENGE, problem_body
+from idempotency_gateway.replay.cache import ReplayCache
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.storage.base import RecordStore, Removal
+from idempotency_gateway.storage.records import Record, RecordKey
 from idempotency_gateway.telemetry.audit import log_admin_action
 from idempotency_gateway.telemetry.metrics import exposition
 

@@ -17,9 +17,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.schema import breaker_overrides
-from idempotency_gateway.idempotency.store import store_connection
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.storage.base import store_connection
+from idempotency_gateway.storage.schema import breaker_overrides
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 log = logging.getLogger(__name__)

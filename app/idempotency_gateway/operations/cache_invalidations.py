@@ -29,10 +29,10 @@ from sqlalchemy import ColumnElement, delete, func, insert, or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.cache import ReplayCache
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.schema import cache_invalidations
-from idempotency_gateway.idempotency.store import store_connection
+from idempotency_gateway.replay.cache import ReplayCache
+from idempotency_gateway.storage.base import store_connection
+from idempotency_gateway.storage.records import RecordKey
+from idempotency_gateway.storage.schema import cache_invalidations
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
 from idempotency_gateway.config import SweeperConfig
-from idempotency_gateway.idempotency.cache import ReplayCache
-from idempotency_gateway.idempotency.store import RecordStore
-from idempotency_gateway.idempotency.wakeups import Wakeups
 from idempotency_gateway.operations.sweeper import Sweeper
+from idempotency_gateway.replay.cache import ReplayCache
+from idempotency_gateway.replay.wakeups import Wakeups
+from idempotency_gateway.storage.base import RecordStore
 
 Lifespan = Callable[[object], AbstractAsyncContextManager[None]]
 

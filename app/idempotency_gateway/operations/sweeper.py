@@ -11,7 +11,7 @@ import logging
 
 from idempotency_gateway.config import SweeperConfig
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency.store import RecordStore
+from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.telemetry.metrics import SWEPT_RECORDS
 
 log = logging.getLogger(__name__)

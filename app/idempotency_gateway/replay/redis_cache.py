@@ -24,17 +24,17 @@ from redis.asyncio import Redis, RedisCluster
 from idempotency_gateway.clock import Monotonic, lease_clock
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
-from idempotency_gateway.idempotency.cache import (
+from idempotency_gateway.replay.cache import (
     CachedAnswer,
     cache_key,
     cache_lookups,
     decode,
     encode,
 )
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.redis_connection import RedisClient
-from idempotency_gateway.idempotency.redis_direct import DirectCommands
+from idempotency_gateway.replay.redis_connection import RedisClient
+from idempotency_gateway.replay.redis_direct import DirectCommands
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, Children

@@ -26,7 +26,7 @@ import orjson
 
 from idempotency_gateway.clock import Monotonic, lease_clock
 from idempotency_gateway.config import CacheConfig
-from idempotency_gateway.idempotency.record import (
+from idempotency_gateway.storage.records import (
     REPLAYABLE,
     Record,
     RecordKey,

@@ -26,8 +26,8 @@ from redis.asyncio import ConnectionPool, Redis, RedisCluster
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode
 
-from idempotency_gateway.idempotency.redis_cache import REDIS_FAILURES
-from idempotency_gateway.idempotency.wakeups import RedisWakeups
+from idempotency_gateway.replay.redis_cache import REDIS_FAILURES
+from idempotency_gateway.replay.wakeups import RedisWakeups
 from idempotency_gateway.resilience.backoff import full_jitter
 
 # The first rebuild of a broken listener comes within a tenth of a second (a blip costs

@@ -17,7 +17,7 @@ finds the key taken still draws one: sequences may skip values, never repeat the
 
 from __future__ import annotations
 
-from idempotency_gateway.idempotency.schema import FENCING_TOKEN_SOURCE
+from idempotency_gateway.storage.schema import FENCING_TOKEN_SOURCE
 
 _CLOCK = "clock AS (SELECT coalesce($1::timestamptz, now()) AS now)"
 _KEY = "r.scope = $2 AND r.operation = $3 AND r.idempotency_key = $4"

@@ -4,7 +4,7 @@ The same statements as ``postgres_sql``, in SQLite's dialect: the fence is spell
 every owner write (``owner_id = :f_owner AND fencing_token = :f_token`` on a row still
 ``IN_PROGRESS``), and a take-over never touches a row whose lease is live. SQLite runs on one
 machine, so "now" is the host's clock, passed in as ``:now``; times are stored as the text
-SQLAlchemy writes for the same columns (``sqlite_store.to_text``), so the text comparisons
+SQLAlchemy writes for the same columns (``storage.sqlite.to_text``), so the text comparisons
 here agree with the admin and sweep paths, which stay on SQLAlchemy.
 
 A new owner's fencing token comes from the one-row counter ``FENCING_TOKEN_SOURCE``, bumped by
@@ -13,7 +13,7 @@ A new owner's fencing token comes from the one-row counter ``FENCING_TOKEN_SOURC
 
 from __future__ import annotations
 
-from idempotency_gateway.idempotency.schema import FENCING_TOKEN_SOURCE
+from idempotency_gateway.storage.schema import FENCING_TOKEN_SOURCE
 
 _KEY = "scope = :scope AND operation = :operation AND idempotency_key = :key"
 _FENCE = "status = 'IN_PROGRESS' AND owner_id = :f_owner AND fencing_token = :f_token"

@@ -23,9 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from idempotency_gateway.clock import Clock
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreReadOnly, StoreUnavailable
-from idempotency_gateway.idempotency import postgres_sql as sql
-from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status
-from idempotency_gateway.idempotency.store import (
+from idempotency_gateway.storage import postgres_sql as sql
+from idempotency_gateway.storage.base import (
     READ_ONLY_DETAIL,
     Claim,
     RecordStore,
@@ -35,6 +34,7 @@ from idempotency_gateway.idempotency.store import (
     record_from_row,
     store_errors,
 )
+from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status
 
 log = logging.getLogger(__name__)
 

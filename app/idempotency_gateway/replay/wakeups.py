@@ -19,13 +19,13 @@ from typing import Protocol
 
 from redis.asyncio.client import PubSub
 
-from idempotency_gateway.idempotency.record import RecordKey
-from idempotency_gateway.idempotency.redis_cache import (
+from idempotency_gateway.replay.redis_cache import (
     REDIS_FAILURES,
     WAKEUP_CHANNEL_PREFIX,
     wakeup_channel,
 )
-from idempotency_gateway.idempotency.redis_connection import RedisClient
+from idempotency_gateway.replay.redis_connection import RedisClient
+from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 log = logging.getLogger(__name__)

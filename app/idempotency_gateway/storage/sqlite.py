@@ -22,9 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_gateway.clock import Clock
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.idempotency import sqlite_sql as sql
-from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status
-from idempotency_gateway.idempotency.store import (
+from idempotency_gateway.storage import sqlite_sql as sql
+from idempotency_gateway.storage.base import (
     Claim,
     RecordStore,
     Reservation,
@@ -32,6 +31,7 @@ from idempotency_gateway.idempotency.store import (
     record_from_row,
     store_errors,
 )
+from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status
 
 T = TypeVar("T")
 

@@ -55,9 +55,9 @@ from idempotency_gateway.database_url import asyncpg_dsn_of as asyncpg_dsn_of
 from idempotency_gateway.database_url import normalize_database_url as normalize_database_url
 from idempotency_gateway.database_url import sqlalchemy_url
 from idempotency_gateway.errors import StoreReadOnly, StoreUnavailable
-from idempotency_gateway.idempotency.record import Fence, Record, RecordKey, Status, StoredResponse
-from idempotency_gateway.idempotency.schema import records
-from idempotency_gateway.idempotency.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
+from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status, StoredResponse
+from idempotency_gateway.storage.schema import records
+from idempotency_gateway.storage.sqlite_sql import PRAGMAS as SQLITE_PRAGMAS
 from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY, Children
@@ -376,10 +376,10 @@ class RecordStore(ABC):
         engine = create_engine_for(url, config)
         if engine.dialect.name == "postgresql":
             # Imported here: both backends build on this class.
-            from idempotency_gateway.idempotency.postgres_store import PostgresRecordStore
+            from idempotency_gateway.storage.postgres import PostgresRecordStore
 
             return PostgresRecordStore(engine, config, clock=clock)
-        from idempotency_gateway.idempotency.sqlite_store import SqliteRecordStore
+        from idempotency_gateway.storage.sqlite import SqliteRecordStore
 
         return SqliteRecordStore(engine, engine.url.database or ":memory:", clock=clock)
 

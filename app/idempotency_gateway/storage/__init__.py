@@ -1,0 +1,1 @@
+"""Durable records: the store interface, its PostgreSQL and SQLite backends, SQL, schema."""
