@@ -38,9 +38,9 @@ from benchmarks.processes import (
     venv_tool,
     wait_until_answers,
 )
+from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.idempotency.lease import MARGIN_FRACTION
 from idempotency_gateway.migrate import upgrade_to_head
-from idempotency_gateway.storage.base import asyncpg_dsn_of
 
 LEASE = 30.0
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"

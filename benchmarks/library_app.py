@@ -7,7 +7,7 @@
 
 - ``plain``: no middleware (the ceiling for this endpoint);
 - ``gateway``: ``idempotency_gateway.idempotency.IdempotencyMiddleware``, durable on PostgreSQL
-  (``RecordStore.from_url(BENCH_DATABASE_URL)``), default policy (POST and PATCH, key optional);
+  (``open_store(BENCH_DATABASE_URL)``), default policy (POST and PATCH, key optional);
 - ``header-memory``: ``asgi-idempotency-header`` with its ``MemoryBackend`` (a dict in the
   process: nothing durable, nothing shared between processes);
 - ``header-redis``: ``asgi-idempotency-header`` with its ``RedisBackend`` on ``BENCH_REDIS_URL``.
@@ -42,9 +42,9 @@ def create_api(mode: str) -> FastAPI:
     if mode == "gateway":
         from idempotency_gateway.config import IdempotencyConfig, StoreConfig
         from idempotency_gateway.idempotency import IdempotencyMiddleware
-        from idempotency_gateway.storage.base import RecordStore
+        from idempotency_gateway.storage import open_store
 
-        store = RecordStore.from_url(os.environ["BENCH_DATABASE_URL"], StoreConfig())
+        store = open_store(os.environ["BENCH_DATABASE_URL"], StoreConfig())
         closers.append(store.close)
         api.add_middleware(
             IdempotencyMiddleware,

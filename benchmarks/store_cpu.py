@@ -18,6 +18,7 @@ from pathlib import Path
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.migrate import upgrade_to_head
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import Claim, RecordStore
 from idempotency_gateway.storage.records import Fence, RecordKey, Status, StoredResponse
 
@@ -25,7 +26,7 @@ ANSWER = StoredResponse(201, [("content-type", "application/json")], b'{"id":"ch
 
 
 async def cpu_per_pair(url: str, pairs: int) -> float:
-    store = RecordStore.from_url(url, StoreConfig())
+    store = open_store(url, StoreConfig())
     scope = uuid.uuid4().hex[:16]
     try:
         await _pairs(store, scope, 100, "warm")  # connections opened, statements compiled

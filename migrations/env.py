@@ -1,4 +1,5 @@
-"""Alembic environment: runs migrations over the gateway's async engine."""
+"""Alembic environment: runs migrations on asyncpg for PostgreSQL, on the standard library's
+sqlite3 for SQLite (the drivers the stores run on, so migrating needs no other)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import asyncio
 import os
 
 from alembic import context
+from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_gateway.storage.base import normalize_database_url
+from idempotency_gateway.database_url import backend_of, normalize_database_url
 from idempotency_gateway.storage.schema import metadata
 
 # An arbitrary constant naming the gateway's migration lock among the database's advisory locks.
@@ -46,9 +48,19 @@ async def _run_online() -> None:
     await engine.dispose()
 
 
+def _run_online_sqlite() -> None:
+    engine = create_engine(_database_url())
+    with engine.connect() as connection:
+        _run(connection)
+        connection.commit()
+    engine.dispose()
+
+
 if context.is_offline_mode():
     context.configure(url=_database_url(), target_metadata=metadata, literal_binds=True)
     with context.begin_transaction():
         context.run_migrations()
+elif backend_of(_database_url()) == "sqlite":
+    _run_online_sqlite()
 else:
     asyncio.run(_run_online())

@@ -19,8 +19,10 @@ import redis
 import redis.asyncio
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.migrate import upgrade_to_head
-from idempotency_gateway.storage.base import RecordStore, asyncpg_dsn_of
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.base import RecordStore
 from tests.support import RecordingUpstream
 from tests.support.clock import ManualClock
 
@@ -59,7 +61,7 @@ async def redis_client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
 
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'records.db'}"
+    url = f"sqlite:///{tmp_path / 'records.db'}"
     upgrade_to_head(url)
     return url
 
@@ -69,7 +71,7 @@ def database_url(request: pytest.FixtureRequest, postgres_url: str, tmp_path: Pa
     """Each test that takes this runs against both stores."""
     if request.param == "postgresql":
         return postgres_url
-    url = f"sqlite+aiosqlite:///{tmp_path / 'records.db'}"
+    url = f"sqlite:///{tmp_path / 'records.db'}"
     upgrade_to_head(url)
     return url
 
@@ -82,7 +84,7 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 async def store(database_url: str, clock: ManualClock) -> AsyncIterator[RecordStore]:
-    record_store = RecordStore.from_url(database_url, StoreConfig(), clock=clock.utc)
+    record_store = open_store(database_url, StoreConfig(), clock=clock.utc)
     yield record_store
     await record_store.close()
 

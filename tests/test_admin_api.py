@@ -33,7 +33,6 @@ import pytest
 import redis.asyncio
 from pydantic import SecretStr
 from sqlalchemy import delete, inspect
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_gateway.config import ADMIN_TOKEN_ENV, ConfigError, GatewayConfig
 from idempotency_gateway.idempotency.keys import key_hash
@@ -42,6 +41,7 @@ from idempotency_gateway.replay.cache import cache_key
 from idempotency_gateway.storage.schema import breaker_overrides
 from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
 from tests.support.charges import CHARGE, CHARGES
+from tests.support.database import on_database
 from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route
 from tests.support.keyed import (
     AUTHORIZATION,
@@ -154,14 +154,12 @@ async def payments(postgres_url: str) -> AsyncIterator[str]:
     so no other test's gateway ever sees it."""
     name = f"payments-{uuid.uuid4().hex[:12]}"
     yield name
-    engine = create_async_engine(postgres_url)
-    try:
-        async with engine.begin() as connection:
-            await connection.execute(
-                delete(breaker_overrides).where(breaker_overrides.c.upstream == name)
-            )
-    finally:
-        await engine.dispose()
+    await on_database(
+        postgres_url,
+        lambda connection: connection.execute(
+            delete(breaker_overrides).where(breaker_overrides.c.upstream == name)
+        ),
+    )
 
 
 @pytest.fixture
@@ -380,10 +378,10 @@ async def test_a_key_is_found_in_every_scope_and_operation_it_was_used_in(
     assert one[0] in everywhere
     assert unknown == []
     # Found through an index, not a scan of every scope.
-    async with records_gateway.app.store.engine.connect() as connection:
-        indexes = await connection.run_sync(
-            lambda sync: inspect(sync).get_indexes("idempotency_records")
-        )
+    indexes = await on_database(
+        records_gateway.app.database_url,
+        lambda connection: inspect(connection).get_indexes("idempotency_records"),
+    )
     assert ["idempotency_key"] in [index["column_names"] for index in indexes]
 
 

@@ -30,7 +30,7 @@ EXPECTED_TYPES = {
 @pytest.fixture
 async def admin() -> AsyncIterator[httpx.AsyncClient]:
     gateway = create_gateway(
-        gateway_config("http://127.0.0.1:9"), database_url="sqlite+aiosqlite:///:memory:"
+        gateway_config("http://127.0.0.1:9"), database_url="sqlite:///:memory:"
     )
     async with (
         serve_asgi(gateway.admin) as url,

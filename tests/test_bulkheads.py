@@ -32,6 +32,7 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import RecordStore
 from tests.support.gateway import PRIMARY, GatewayLauncher, gateway_config, route
 from tests.support.keyed import AUTHORIZATION, record_key, send_keyed
@@ -109,7 +110,7 @@ async def one_worker(
 
 @pytest.fixture
 async def store(postgres_url: str) -> AsyncIterator[RecordStore]:
-    records = RecordStore.from_url(postgres_url, StoreConfig())
+    records = open_store(postgres_url, StoreConfig())
     yield records
     await records.close()
 

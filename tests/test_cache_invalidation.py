@@ -22,9 +22,10 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL, CacheInvalidations
 from idempotency_gateway.replay.cache import CachedAnswer, InProcessCache
-from idempotency_gateway.storage.base import asyncpg_dsn_of, create_engine_for
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.charges import CHARGE, CHARGES
@@ -132,11 +133,11 @@ def cached(key: RecordKey) -> CachedAnswer:
 async def test_a_delete_committed_after_a_newer_one_is_still_applied(
     postgres_url: str, unique: Callable[[str], str]
 ) -> None:
-    engine = create_engine_for(postgres_url, StoreConfig())
+    store = open_store(postgres_url, StoreConfig())
     cache = InProcessCache(max_entries=10, max_bytes=1 << 20)
-    reader = CacheInvalidations(engine, cache)
+    reader = CacheInvalidations(store, cache)
     # Another process's publisher: its own cache, so only the table tells ``reader``.
-    publisher = CacheInvalidations(engine, InProcessCache(max_entries=10, max_bytes=1 << 20))
+    publisher = CacheInvalidations(store, InProcessCache(max_entries=10, max_bytes=1 << 20))
     late, early = (
         RecordKey("scope", f"POST {CHARGES}", unique(name)) for name in ("late", "early")
     )
@@ -166,4 +167,4 @@ async def test_a_delete_committed_after_a_newer_one_is_still_applied(
         assert await cache.get(late) is None, "the late-committed delete was stepped over"
     finally:
         await slow.close()
-        await engine.dispose()
+        await store.close()

@@ -24,13 +24,12 @@ from pathlib import Path
 import httpx
 import pytest
 from alembic.script import ScriptDirectory
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_gateway.cli import main
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.migrate import alembic_config
-from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.base import Claim
 from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
 from tests.support.clock import ManualClock
@@ -213,13 +212,11 @@ def schema_revision(database_url: str) -> str | None:
     """The Alembic revision the database is at (None before the first migration)."""
 
     async def read() -> str | None:
-        engine = create_async_engine(database_url)
+        store = open_store(database_url, StoreConfig())
         try:
-            async with engine.connect() as connection:
-                result = await connection.execute(text("SELECT version_num FROM alembic_version"))
-                return result.scalar_one_or_none()
+            return await store.schema_revision()
         finally:
-            await engine.dispose()
+            await store.close()
 
     return asyncio.run(read())
 
@@ -243,7 +240,7 @@ def test_migrate_creates_the_table_in_a_new_sqlite_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "fresh.db"
-    url = f"sqlite+aiosqlite:///{path}"
+    url = f"sqlite:///{path}"
 
     output = migrate_with(url, monkeypatch, capsys)
 
@@ -272,7 +269,7 @@ def test_migrate_on_postgresql_can_run_again(
 async def test_sweep_deletes_expired_records_and_says_how_many(
     sqlite_url: str, clock: ManualClock
 ) -> None:
-    store = RecordStore.from_url(sqlite_url, StoreConfig(), clock=clock.utc)
+    store = open_store(sqlite_url, StoreConfig(), clock=clock.utc)
     expired = RecordKey("anonymous", "POST /v1/orders", "expired-order")
     live = RecordKey("anonymous", "POST /v1/orders", "live-order")
     try:

@@ -20,7 +20,8 @@ from idempotency_gateway.config import ConfigError, StoreConfig, environment_set
 from idempotency_gateway.database_url import asyncpg_dsn_of, normalize_database_url
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.migrate import upgrade_to_head_async
-from idempotency_gateway.storage.base import Claim, RecordStore, Removal
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.base import Claim, Removal
 from idempotency_gateway.storage.records import RecordKey
 from tests.support import eventually, free_port
 
@@ -57,7 +58,8 @@ def test_a_host_list_is_spelled_for_each_driver(
 
 
 def test_sqlite_urls_are_left_alone_but_for_the_driver() -> None:
-    assert normalize_database_url("sqlite:///a,b.db") == "sqlite+aiosqlite:///a,b.db"
+    assert normalize_database_url("sqlite:///a,b.db") == "sqlite:///a,b.db"
+    assert normalize_database_url("sqlite+aiosqlite:///a,b.db") == "sqlite:///a,b.db"
 
 
 @pytest.mark.parametrize(
@@ -106,7 +108,7 @@ async def test_every_path_follows_the_host_list_to_the_writable_server(
 ) -> None:
     url = _with_dead_host_first(postgres_url)
     await upgrade_to_head_async(url)  # Alembic, through the SQLAlchemy engine
-    store = RecordStore.from_url(url, StoreConfig())
+    store = open_store(url, StoreConfig())
     try:
         key = RecordKey("scope", "POST /v1/charges", f"hosts-{uuid.uuid4()}")
         claim = Claim(
@@ -140,7 +142,7 @@ async def test_a_write_refused_as_read_only_drops_the_pooled_connections(
     options = quote(f"-c default_transaction_read_only=on -c application_name={name}")
     url = make_url(postgres_url).render_as_string(hide_password=False) + f"?options={options}"
     # No floor of kept connections: the sessions counted are the ones the statements opened.
-    store = RecordStore.from_url(url, StoreConfig(pool_size=2, pool_min_size=0))
+    store = open_store(url, StoreConfig(pool_size=2, pool_min_size=0))
     admin = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
     try:
         key = RecordKey("scope", "POST /v1/charges", f"read-only-{uuid.uuid4()}")

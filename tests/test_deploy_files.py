@@ -104,7 +104,7 @@ def admin_paths() -> set[str]:
         },
         source="test",
     )
-    gateway = create_gateway(config, database_url="sqlite+aiosqlite:///:memory:")
+    gateway = create_gateway(config, database_url="sqlite:///:memory:")
     return {getattr(route, "path", "") for route in gateway.admin.routes}
 
 

@@ -25,6 +25,7 @@ import pytest
 import pytest_asyncio
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.storage.records import Record, Status
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
@@ -95,7 +96,7 @@ async def fleet(
             )
             for each in (owner, other)
         ]
-        store = RecordStore.from_url(postgres_url, StoreConfig())
+        store = open_store(postgres_url, StoreConfig())
         stack.push_async_callback(store.close)
         yield Fleet(owner, other, to_owner, to_other, link, upstream, store)
 

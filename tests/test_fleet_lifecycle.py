@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.records import Status
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.charges import CHARGES
@@ -157,7 +157,7 @@ async def test_sigterm_drains_then_finalizes_the_slow_request_and_exits_zero(
             env={"GATEWAY_DATABASE_URL": postgres_url},
             log_dir=tmp_path,
         )
-        store = RecordStore.from_url(postgres_url, StoreConfig())
+        store = open_store(postgres_url, StoreConfig())
 
         async def draining() -> bool:
             return await all_ready_status(gateway, 503)

@@ -45,7 +45,7 @@ from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.errors import InvalidRequestTarget
 from idempotency_gateway.main import create_gateway
 from idempotency_gateway.server.protocol import EdgeProtocol
-from idempotency_gateway.storage.schema import OPERATION_MAX_LENGTH
+from idempotency_gateway.storage.records import OPERATION_MAX_LENGTH
 from idempotency_gateway.target import canonical_path
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.background import InBackgroundThread
@@ -717,7 +717,7 @@ def admin_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backgroun
     """A gateway of its own on SQLite: schemathesis forces breakers and deletes records, which
     must never reach the shared PostgreSQL database other tests' gateways read."""
     database = tmp_path_factory.mktemp("admin") / "records.db"
-    with BackgroundGateway(database_url=f"sqlite+aiosqlite:///{database}") as gateway:
+    with BackgroundGateway(database_url=f"sqlite:///{database}") as gateway:
         yield gateway
 
 

@@ -22,6 +22,7 @@ from idempotency_gateway.errors import LeaseNotConfirmed
 from idempotency_gateway.execution import Execution, Outcome
 from idempotency_gateway.idempotency.lease import MARGIN_FRACTION, Lease
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import Claim, RecordStore, Removal
 from idempotency_gateway.storage.records import Fence, Record, RecordKey
 from tests.support import eventually
@@ -141,7 +142,7 @@ class Partition:
 async def partition(postgres_url: str) -> AsyncIterator[Partition]:
     async with TcpProxy("127.0.0.1", 5432) as link:
         config = StoreConfig(statement_timeout=0.5, connect_timeout=0.5)
-        store = RecordStore.from_url(link.rewrite_url(postgres_url), config)
+        store = open_store(link.rewrite_url(postgres_url), config)
         try:
             yield Partition(link, store)
         finally:

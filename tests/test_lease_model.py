@@ -48,7 +48,8 @@ from idempotency_gateway.idempotency.lease import Lease
 from idempotency_gateway.idempotency.machine import Action, decide
 from idempotency_gateway.idempotency.owner import new_owner_id
 from idempotency_gateway.migrate import upgrade_to_head
-from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.base import Claim
 from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status
 from tests.support.clock import ManualClock
 
@@ -90,7 +91,7 @@ class LeaseClock:
 def migrated_database() -> Path:
     """One migrated SQLite file per test run; each example starts from a copy of it."""
     path = Path(tempfile.mkdtemp(prefix="lease-model-")) / "records.db"
-    upgrade_to_head(f"sqlite+aiosqlite:///{path}")
+    upgrade_to_head(f"sqlite:///{path}")
     return path
 
 
@@ -103,9 +104,9 @@ class LeaseModel(RuleBasedStateMachine):
         self.directory = tempfile.TemporaryDirectory()
         path = Path(self.directory.name) / "records.db"
         shutil.copyfile(migrated_database(), path)
-        url = f"sqlite+aiosqlite:///{path}"
+        url = f"sqlite:///{path}"
         self.database = ManualClock()
-        self.store = RecordStore.from_url(url, StoreConfig(), clock=self.database.utc)
+        self.store = open_store(url, StoreConfig(), clock=self.database.utc)
         self.time = 0.0
         self.scope = new_owner_id()
         self.on_ambiguous = "fail"

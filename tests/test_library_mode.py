@@ -41,7 +41,7 @@ async def serving(api: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 async def test_readme_example_replays_a_retried_charge(
     store: RecordStore, unique: Callable[[str], str]
 ) -> None:
-    # store = RecordStore.from_url(DATABASE_URL, StoreConfig()), on a migrated database
+    # store = open_store(DATABASE_URL, StoreConfig()), on a migrated database
     api = FastAPI()
     api.add_middleware(
         IdempotencyMiddleware,

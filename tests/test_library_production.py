@@ -36,6 +36,7 @@ from idempotency_gateway.config import CacheConfig
 from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE
 from idempotency_gateway.idempotency.policy import PolicySource
 from idempotency_gateway.operations.lifespan import Lifespan
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import Claim
 from idempotency_gateway.storage.records import RecordKey, Status
 from tests.support import eventually
@@ -136,7 +137,7 @@ async def test_lifespan_starts_the_store_sweeps_and_closes_the_cache(
     database_url: str, unique: Callable[[str], str]
 ) -> None:
     clock = ManualClock(now=LONG_AGO)
-    store = RecordStore.from_url(database_url, StoreConfig(), clock=clock.utc)
+    store = open_store(database_url, StoreConfig(), clock=clock.utc)
     cache = InProcessCache.sized_by(CacheConfig())
     expired, kept = (RecordKey(ANONYMOUS_SCOPE, CHARGES, unique(n)) for n in ("old", "new"))
     for key, ttl in ((expired, 60.0), (kept, 3600.0)):

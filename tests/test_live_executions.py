@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import Claim, RecordStore
 from idempotency_gateway.storage.records import Record, RecordKey, Status
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
@@ -33,7 +34,7 @@ LEASE = "1s"
 @pytest.fixture
 async def real_time_store(database_url: str) -> AsyncIterator[RecordStore]:
     """The gateway's own database, read on its own clock (no manual time here)."""
-    store = RecordStore.from_url(database_url, StoreConfig())
+    store = open_store(database_url, StoreConfig())
     yield store
     await store.close()
 

@@ -31,9 +31,10 @@ import pytest
 import redis.asyncio
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL
 from idempotency_gateway.replay.cache import cache_key
-from idempotency_gateway.storage.base import RecordStore, asyncpg_dsn_of
+from idempotency_gateway.storage import open_store
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.charges import CHARGES
 from tests.support.clock import skewed_clock_env
@@ -93,7 +94,7 @@ async def test_gateways_with_skewed_clocks_never_steal_a_live_lease(
         startup_timeout=STARTUP_TIMEOUT,
         name="ahead",
     )
-    store = RecordStore.from_url(postgres_url, StoreConfig())
+    store = open_store(postgres_url, StoreConfig())
     on_honest_key, on_ahead_key = unique("owned-by-honest"), unique("owned-by-ahead")
     try:
         await asyncio.gather(honest.start(), ahead.start())

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.idempotency.orphans import OrphanReleases
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import Claim, RecordStore
 from idempotency_gateway.storage.records import Fence, RecordKey, Status, StoredResponse
 from tests.support import eventually
@@ -85,7 +86,7 @@ async def test_released_orphans_leave_the_queue(
 async def test_the_queue_is_bounded_and_gives_up_past_the_ttl(
     unique: Callable[[str], str],
 ) -> None:
-    down = RecordStore.from_url(unreachable_database_url(), StoreConfig(connect_timeout=0.2))
+    down = open_store(unreachable_database_url(), StoreConfig(connect_timeout=0.2))
     now = [0.0]
     orphans = OrphanReleases(down, capacity=2, monotonic=lambda: now[0])
     try:

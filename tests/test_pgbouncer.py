@@ -24,7 +24,9 @@ import pytest
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
-from idempotency_gateway.storage.base import SWEEP_LOCK_ID, Claim, RecordStore
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.base import Claim
+from idempotency_gateway.storage.postgres_sql import SWEEP_LOCK_ID
 from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.clock import ManualClock
@@ -138,9 +140,7 @@ async def test_named_prepared_statements_break_when_pgbouncer_moves_the_client(
     PgBouncer lends it; a second client then holds that server connection in a transaction
     (PgBouncer lends the most recently used one first), so the store's next reserve runs on
     another server connection, where a named statement does not exist."""
-    store = RecordStore.from_url(
-        pgbouncer.url, StoreConfig(pool_size=1, prepared_statements=prepared)
-    )
+    store = open_store(pgbouncer.url, StoreConfig(pool_size=1, prepared_statements=prepared))
     holder = await connect(pgbouncer)
     scope = unique("moved")
     try:
@@ -170,9 +170,7 @@ async def test_sweeper_stands_aside_while_another_transaction_holds_the_lock(
     # A moment long before any other test's records: only this test's row can be expired.
     clock = ManualClock()
     clock.now = datetime(2001, 1, 1, tzinfo=UTC)
-    store = RecordStore.from_url(
-        pgbouncer.url, StoreConfig(prepared_statements=False), clock=clock.utc
-    )
+    store = open_store(pgbouncer.url, StoreConfig(prepared_statements=False), clock=clock.utc)
     holder = await connect(pgbouncer)
     key = RecordKey(unique("sweep"), "POST /v1/charges", "expired")
     try:

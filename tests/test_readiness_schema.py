@@ -16,9 +16,9 @@ import pytest
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.migrate import head_revision, upgrade_to_head_async
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import (
     SCHEMA_MISSING_DETAIL,
-    RecordStore,
 )
 from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, RecordingUpstream, write_config
@@ -69,7 +69,7 @@ async def test_readyz_is_503_until_the_schema_is_at_the_head(
 
 
 async def test_a_sqlite_store_without_its_tables_says_so_in_words(tmp_path: Path) -> None:
-    store = RecordStore.from_url(f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}", StoreConfig())
+    store = open_store(f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}", StoreConfig())
     try:
         with pytest.raises(StoreUnavailable) as refused:
             await store.get(RecordKey("anonymous", "POST /v1/charges", "never-migrated"))

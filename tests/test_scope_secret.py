@@ -47,11 +47,11 @@ def test_postgres_without_a_secret_is_refused_naming_the_variable() -> None:
     with pytest.raises(ConfigError, match=SCOPE_SECRET_ENV):
         resolve_scope_secret(None, "postgresql+asyncpg://postgres@127.0.0.1/db")
     with pytest.raises(ConfigError, match="empty"):
-        resolve_scope_secret(SecretStr(""), "sqlite+aiosqlite:///x.db")
+        resolve_scope_secret(SecretStr(""), "sqlite:///x.db")
 
 
 def test_the_embedded_store_makes_a_private_secret_once_and_keeps_it(tmp_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path}/gateway.db"
+    url = f"sqlite:///{tmp_path}/gateway.db"
 
     first = resolve_scope_secret(None, url)
     again = resolve_scope_secret(None, url)
@@ -64,7 +64,7 @@ def test_the_embedded_store_makes_a_private_secret_once_and_keeps_it(tmp_path: P
 
 
 async def test_workers_racing_to_create_the_secret_all_read_the_same_one(tmp_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path}/gateway.db"
+    url = f"sqlite:///{tmp_path}/gateway.db"
     program = (
         "import sys\n"
         "from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret\n"
@@ -104,7 +104,7 @@ async def test_the_embedded_store_keeps_deduping_across_a_restart(
     tmp_path: Path, upstream: RecordingUpstream
 ) -> None:
     config = gateway_config(upstream.url, routes=[route("/", key="required")])
-    url = f"sqlite+aiosqlite:///{tmp_path}/gateway.db"
+    url = f"sqlite:///{tmp_path}/gateway.db"
     answers: list[httpx.Response] = []
     for _ in range(2):
         gateway = create_gateway(config, database_url=url)

@@ -17,24 +17,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import asyncpg
 import pytest
 from alembic.script import ScriptDirectory
-from sqlalchemy import func, inspect, select
+from sqlalchemy import inspect, select
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.migrate import alembic_config, upgrade_to_head
-from idempotency_gateway.storage.base import (
-    SWEEP_LOCK_ID,
-    Claim,
-    RecordStore,
-    Removal,
-    Reservation,
-)
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.base import Claim, RecordStore, Removal, Reservation
+from idempotency_gateway.storage.postgres_sql import SWEEP_LOCK_ID
 from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status, StoredResponse
 from idempotency_gateway.storage.schema import records
 from tests.support import free_port
 from tests.support.clock import ManualClock
+from tests.support.database import on_database
 
 LEASE = 30.0
 TTL = 3600.0
@@ -85,15 +84,14 @@ def key(make_key: Callable[[str], RecordKey]) -> RecordKey:
     return make_key("key")
 
 
-async def stored_body_columns(store: RecordStore, key: RecordKey) -> tuple[bytes, bool]:
+async def stored_body_columns(database_url: str, key: RecordKey) -> tuple[bytes, bool]:
     """The body as it sits in the table, bypassing the store's decoding."""
     statement = select(records.c.response_body, records.c.body_compressed).where(
         records.c.scope == key.scope,
         records.c.operation == key.operation,
         records.c.idempotency_key == key.idempotency_key,
     )
-    async with store.engine.connect() as connection:
-        row = (await connection.execute(statement)).one()
+    row = await on_database(database_url, lambda connection: connection.execute(statement).one())
     return bytes(row.response_body), bool(row.body_compressed)
 
 
@@ -296,7 +294,7 @@ async def test_finalize_after_the_ttl_keeps_the_answer_a_full_ttl(
     ],
 )
 async def test_finalize_stores_status_headers_and_body_byte_exact(
-    store: RecordStore, key: RecordKey, body: bytes, stored_compressed: bool
+    store: RecordStore, database_url: str, key: RecordKey, body: bytes, stored_compressed: bool
 ) -> None:
     record = (await reserve(store, key, new_owner())).record
     headers = [
@@ -316,7 +314,7 @@ async def test_finalize_stores_status_headers_and_body_byte_exact(
     assert finished.status is Status.SUCCEEDED
     assert finished.response == answer
     assert finished.fencing_token == record.fencing_token
-    raw_body, compressed = await stored_body_columns(store, key)
+    raw_body, compressed = await stored_body_columns(database_url, key)
     assert compressed is stored_compressed
     if stored_compressed:
         assert len(raw_body) < len(body) // 10
@@ -548,13 +546,12 @@ async def test_sweep_never_deletes_a_live_execution_past_its_ttl(
 async def test_a_second_postgres_sweeper_stands_aside_while_one_holds_the_lock(
     postgres_url: str, clock: ManualClock
 ) -> None:
-    holder = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock.utc)
-    other = RecordStore.from_url(postgres_url, StoreConfig(), clock=clock.utc)
+    holder = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
+    other = open_store(postgres_url, StoreConfig(), clock=clock.utc)
     try:
-        async with holder.engine.connect() as connection:
-            await connection.execute(select(func.pg_advisory_lock(SWEEP_LOCK_ID)))
-            assert await other.sweep() is None
-            await connection.execute(select(func.pg_advisory_unlock(SWEEP_LOCK_ID)))
+        await holder.execute("SELECT pg_advisory_lock($1)", SWEEP_LOCK_ID)
+        assert await other.sweep() is None
+        await holder.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_ID)
         assert await other.sweep() is not None
     finally:
         await holder.close()
@@ -583,7 +580,7 @@ STORE_CALL_IDS = ["reserve", "get", "finalize", "renew_lease", "delete", "sweep"
 @pytest.fixture
 async def closed_port_store() -> AsyncIterator[RecordStore]:
     url = f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/x"
-    unreachable = RecordStore.from_url(url, StoreConfig(connect_timeout=0.5))
+    unreachable = open_store(url, StoreConfig(connect_timeout=0.5))
     yield unreachable
     await unreachable.close()
 
@@ -599,7 +596,7 @@ async def silent_server_store() -> AsyncIterator[RecordStore]:
     server = await asyncio.start_server(stay_silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     url = f"postgresql+asyncpg://postgres@127.0.0.1:{port}/x"
-    silent = RecordStore.from_url(url, StoreConfig(connect_timeout=0.5))
+    silent = open_store(url, StoreConfig(connect_timeout=0.5))
     yield silent
     await silent.close()
     for writer in accepted:
@@ -648,7 +645,7 @@ def sqlite_alembic_versions(path: Path) -> list[str]:
 
 def test_upgrade_to_head_builds_the_schema_once(tmp_path: Path) -> None:
     path = tmp_path / "fresh.db"
-    url = f"sqlite+aiosqlite:///{path}"
+    url = f"sqlite:///{path}"
 
     upgrade_to_head(url)
 
@@ -676,15 +673,14 @@ def test_upgrade_to_head_builds_the_schema_once(tmp_path: Path) -> None:
     assert sqlite_alembic_versions(path) == [head]
 
 
-async def test_migrated_schema_has_the_primary_key_and_indexes(store: RecordStore) -> None:
+async def test_migrated_schema_has_the_primary_key_and_indexes(database_url: str) -> None:
     def describe(connection: object) -> tuple[list[str], set[str]]:
         inspector = inspect(connection)
         primary_key = inspector.get_pk_constraint("idempotency_records")["constrained_columns"]
         indexes = {index["name"] for index in inspector.get_indexes("idempotency_records")}
         return primary_key, {name for name in indexes if name is not None}
 
-    async with store.engine.connect() as connection:
-        primary_key, indexes = await connection.run_sync(describe)
+    primary_key, indexes = await on_database(database_url, describe)
 
     assert primary_key == ["scope", "operation", "idempotency_key"]
     assert {

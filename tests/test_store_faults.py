@@ -30,7 +30,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from idempotency_gateway.config import GatewayConfig
-from idempotency_gateway.storage.base import asyncpg_dsn_of
+from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.storage.records import RecordKey, Status
 from idempotency_gateway.telemetry.metrics import FENCED_WRITES
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config

@@ -21,8 +21,8 @@ import asyncpg
 import httpx
 
 from idempotency_gateway.config import GatewayConfig
+from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.migrate import upgrade_to_head_async
-from idempotency_gateway.storage.base import asyncpg_dsn_of
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import GatewayLauncher, RunningGateway
 from tests.support.keyed import assert_replays, keyed_gateway_config, send_keyed

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prometheus_client import REGISTRY
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import Claim, RecordStore
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
@@ -61,7 +62,7 @@ async def test_sampler_sets_the_gauge_and_keeps_it_while_the_store_is_down(
     assert sampled is not None
     assert sampled >= 2
 
-    down = RecordStore.from_url(unreachable_database_url(), StoreConfig(), clock=clock.utc)
+    down = open_store(unreachable_database_url(), StoreConfig(), clock=clock.utc)
     try:
         sampler = StuckRecordsSampler(down.count_stuck)
         await sampler.sample()

@@ -23,17 +23,18 @@ import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import delete, event, func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from idempotency_gateway.config import StoreConfig, SweeperConfig
 from idempotency_gateway.operations.sweeper import Sweeper
-from idempotency_gateway.storage.base import SWEEP_LOCK_ID, Claim, RecordStore
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.base import Claim, RecordStore
+from idempotency_gateway.storage.postgres_sql import SWEEP_LOCK_ID
 from idempotency_gateway.storage.records import RecordKey, Status
 from idempotency_gateway.storage.schema import records
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
@@ -70,16 +71,21 @@ async def present(store: RecordStore, keys: list[RecordKey]) -> list[RecordKey]:
     return [key for key in keys if await store.get(key) is not None]
 
 
+def sweep_batches_run() -> float:
+    """Sweep batches run so far by every store of this process, each one DELETE statement."""
+    sample = "idempotency_gateway_store_latency_seconds_count"
+    return REGISTRY.get_sample_value(sample, {"operation": "sweep"}) or 0.0
+
+
 class DeleteCounter:
-    """Counts the DELETE statements a store's engine sends."""
+    """Counts the DELETE statements the sweeps send from now on."""
 
-    def __init__(self, store: RecordStore) -> None:
-        self.statements = 0
+    def __init__(self) -> None:
+        self._before = sweep_batches_run()
 
-        @event.listens_for(store.engine.sync_engine, "before_cursor_execute")
-        def _count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-            if statement.lstrip().upper().startswith("DELETE"):
-                self.statements += 1
+    @property
+    def statements(self) -> float:
+        return sweep_batches_run() - self._before
 
 
 def swept_total() -> float:
@@ -149,7 +155,7 @@ async def test_sweeper_deletes_only_expired_records_in_bounded_batches(
     expired = await write_records(store, [unique(f"old-{n}") for n in range(5)], ttl=SHORT_TTL)
     live = await write_records(store, [unique(f"live-{n}") for n in range(2)], ttl=LONG_TTL)
     long_ago.advance(SHORT_TTL * 2)
-    deletes = DeleteCounter(store)
+    deletes = DeleteCounter()
     swept_before = swept_total()
 
     # One batch only: exactly the batch size goes.
@@ -186,7 +192,7 @@ async def test_sweeper_keeps_a_record_until_its_expiry(
 async def test_only_one_sweeper_runs_at_a_time_on_postgresql(
     postgres_url: str, long_ago: ManualClock, unique: Callable[[str], str]
 ) -> None:
-    stores = [RecordStore.from_url(postgres_url, StoreConfig(), clock=long_ago.utc) for _ in "ab"]
+    stores = [open_store(postgres_url, StoreConfig(), clock=long_ago.utc) for _ in "ab"]
     sweepers = [Sweeper(store, SweeperConfig(batch_size=10)) for store in stores]
     try:
         expired = await write_records(stores[0], [unique("contended")], ttl=SHORT_TTL)
@@ -207,7 +213,7 @@ async def test_only_one_sweeper_runs_at_a_time_on_postgresql(
 async def test_sweep_command_says_another_sweeper_is_running(
     postgres_url: str, long_ago: ManualClock, unique: Callable[[str], str]
 ) -> None:
-    store = RecordStore.from_url(postgres_url, StoreConfig(), clock=long_ago.utc)
+    store = open_store(postgres_url, StoreConfig(), clock=long_ago.utc)
     try:
         expired = await write_records(store, [unique("cli-contended")], ttl=SHORT_TTL)
 
@@ -238,7 +244,7 @@ async def test_serve_sweeps_expired_records_in_the_background(
     # The gateway's own SQLite file: a real-time sweeper every 200 ms must not touch the
     # shared PostgreSQL database, where other tests' records expire on their own clocks.
     clock = ManualClock()
-    store = RecordStore.from_url(sqlite_url, StoreConfig(), clock=clock.utc)
+    store = open_store(sqlite_url, StoreConfig(), clock=clock.utc)
     clock.now = datetime.now(UTC) - timedelta(days=1)
     expired = await write_records(store, [unique("expired")], ttl=SHORT_TTL)
     clock.now = datetime.now(UTC)
@@ -294,7 +300,7 @@ async def test_sigterm_finishes_the_slow_request_and_exits_cleanly(
             env={"GATEWAY_DATABASE_URL": postgres_url},
             log_dir=tmp_path,
         )
-        store = RecordStore.from_url(postgres_url, StoreConfig())
+        store = open_store(postgres_url, StoreConfig())
         try:
             async with httpx.AsyncClient(timeout=20.0, trust_env=False) as client:
                 await gateway.start()

@@ -1,6 +1,6 @@
 """idempotency-gateway as a library: the middleware, its store and caches, their settings.
 
-    from idempotency_gateway import IdempotencyMiddleware, IdempotencyConfig, RecordStore
+    from idempotency_gateway import IdempotencyMiddleware, IdempotencyConfig, open_store
 
 Names are imported on first use (PEP 562): ``import idempotency_gateway`` stays cheap, the
 CLI can prepare multiprocess metrics before prometheus_client loads, and the client helper's
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from idempotency_gateway.replay.cache import InProcessCache
     from idempotency_gateway.replay.redis_cache import RedisCache
     from idempotency_gateway.replay.redis_connection import connect_redis
+    from idempotency_gateway.storage.backends import open_store
     from idempotency_gateway.storage.base import RecordStore
 
 try:
@@ -44,6 +45,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 _HOMES = {
     "IdempotencyMiddleware": "idempotency_gateway.idempotency.middleware",
     "RecordStore": "idempotency_gateway.storage.base",
+    "open_store": "idempotency_gateway.storage.backends",
     "InProcessCache": "idempotency_gateway.replay.cache",
     "RedisCache": "idempotency_gateway.replay.redis_cache",
     "connect_redis": "idempotency_gateway.replay.redis_connection",
@@ -87,6 +89,7 @@ __all__ = [
     "idempotency_key",
     "idempotency_lifespan",
     "idempotent",
+    "open_store",
     "upgrade_to_head",
 ]
 

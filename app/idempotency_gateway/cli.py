@@ -180,9 +180,9 @@ def _migrate(args: argparse.Namespace) -> int:
 
 async def _database_error(url: str) -> str | None:
     from idempotency_gateway.errors import StoreUnavailable
-    from idempotency_gateway.storage.base import RecordStore
+    from idempotency_gateway.storage import open_store
 
-    store = RecordStore.from_url(url, StoreConfig())
+    store = open_store(url, StoreConfig())
     try:
         await store.ping()
     except StoreUnavailable as exc:
@@ -195,10 +195,10 @@ async def _database_error(url: str) -> str | None:
 def _sweep(args: argparse.Namespace) -> int:
     from idempotency_gateway.errors import StoreUnavailable
     from idempotency_gateway.main import database_url_or_default
-    from idempotency_gateway.storage.base import RecordStore
+    from idempotency_gateway.storage import open_store
 
     async def sweep_all() -> int | None:
-        store = RecordStore.from_url(
+        store = open_store(
             database_url_or_default(environment_settings().database_url), StoreConfig()
         )
         try:

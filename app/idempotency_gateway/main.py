@@ -34,6 +34,7 @@ from idempotency_gateway.config import (
     load_config,
     validate_config,
 )
+from idempotency_gateway.database_url import backend_of
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
@@ -56,7 +57,7 @@ from idempotency_gateway.resilience.bulkhead import publish_every
 from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
 from idempotency_gateway.routing import RouteRequests, check_routes
 from idempotency_gateway.server.heap import settle_after_startup
-from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.storage.backends import open_store
 from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.loop_lag import LoopLagMonitor
 from idempotency_gateway.telemetry.metrics import (
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 
 # The CLI hands its resolved config to worker processes through this variable.
 RESOLVED_CONFIG_ENV = "GATEWAY_RESOLVED_CONFIG"
-EMBEDDED_DATABASE_URL = "sqlite+aiosqlite:///idempotency-gateway.db"
+EMBEDDED_DATABASE_URL = "sqlite:///idempotency-gateway.db"
 # How long shutdown waits for in-flight executions to finish and finalize.
 DRAIN_TIMEOUT = 30.0
 
@@ -155,7 +156,7 @@ class Gateway:
         secret = resolve_scope_secret(scope_secret, self.database_url)
         check_admin_token(admin_token)
         self.admin_port = admin_port
-        self.store = RecordStore.from_url(self.database_url, config.store)
+        self.store = open_store(self.database_url, config.store)
         self.cache, self.wakeups = replay_layer(config.cache, redis_url)
         self.clients = {
             name: UpstreamClient(name, upstream) for name, upstream in config.upstreams.items()
@@ -165,11 +166,9 @@ class Gateway:
             for name, client in self.clients.items()
         }
         breakers = {name: upstream.breaker for name, upstream in self.upstreams.items()}
-        self.overrides = BreakerOverrides(self.store.engine, breakers, clock=utc_now)
+        self.overrides = BreakerOverrides(self.store, breakers, clock=utc_now)
         self.invalidations = (
-            None
-            if self.cache.shared_across_workers
-            else CacheInvalidations(self.store.engine, self.cache)
+            None if self.cache.shared_across_workers else CacheInvalidations(self.store, self.cache)
         )
         self.sweeper = Sweeper(self.store, config.sweeper)
         self.stuck_records = StuckRecordsSampler(self.store.count_stuck)
@@ -231,7 +230,7 @@ class Gateway:
     async def startup(self) -> None:
         if self.config.tracing.enabled:
             tracing.enable(self.config.tracing, span_processor=self.span_processor)
-        if self.store.engine.dialect.name == "sqlite":
+        if backend_of(self.database_url) == "sqlite":
             # The embedded store belongs to this gateway alone: keep its schema current.
             await upgrade_to_head_async(self.database_url)
         # Before anything else touches the database: the request path's connections first.

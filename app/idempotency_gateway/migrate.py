@@ -13,7 +13,8 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
-from idempotency_gateway.storage.base import RecordStore, normalize_database_url
+from idempotency_gateway.database_url import normalize_database_url
+from idempotency_gateway.storage.base import RecordStore
 
 # Processes that start together (workers of one server) may race on SQLite's schema; a few
 # short pauses let the one that got there first finish.

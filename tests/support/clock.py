@@ -2,7 +2,7 @@
 pauses all move when the test says so, and nothing really waits.
 
     clock = ManualClock()
-    store = RecordStore.from_url(url, config, clock=clock.utc)       # utc() -> datetime
+    store = open_store(url, config, clock=clock.utc)       # utc() -> datetime
     breaker = CircuitBreaker("u", config, clock=clock)               # clock() -> seconds
     upstream = ResilientUpstream(client, clock=clock, sleep=clock.sleep, uniform=clock.uniform)
     clock.advance(30)                                                # both readings move

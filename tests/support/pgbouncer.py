@@ -1,7 +1,7 @@
 """A real PgBouncer in transaction mode in front of the tests' PostgreSQL database.
 
     with PgBouncer(postgres_url) as bouncer:
-        store = RecordStore.from_url(bouncer.url, StoreConfig(prepared_statements=False))
+        store = open_store(bouncer.url, StoreConfig(prepared_statements=False))
 
 It listens on a free loopback port with an ini generated in a temporary directory, and has
 only ``SERVER_POOL_SIZE`` server connections for the database: many more clients than that

@@ -59,8 +59,7 @@ from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
 from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.storage.base import RecordStore
-from idempotency_gateway.storage.records import RecordKey
-from idempotency_gateway.storage.schema import OPERATION_MAX_LENGTH
+from idempotency_gateway.storage.records import OPERATION_MAX_LENGTH, RecordKey
 from idempotency_gateway.target import RequestTarget, target_or_refuse
 from idempotency_gateway.telemetry.request_log import (
     AccessLogMiddleware,

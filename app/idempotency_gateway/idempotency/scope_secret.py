@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from idempotency_gateway.config import ConfigError
-from idempotency_gateway.database_url import sqlalchemy_url
+from idempotency_gateway.database_url import backend_of, sqlite_path
 
 SCOPE_SECRET_ENV = "GATEWAY_SCOPE_SECRET"
 SECRET_FILE_SUFFIX = ".scope-secret"
@@ -31,8 +31,7 @@ def resolve_scope_secret(secret: SecretStr | None, database_url: str) -> bytes:
         if not value:
             raise ConfigError("environment", [f"{SCOPE_SECRET_ENV} is set but empty"])
         return value.encode()
-    url = sqlalchemy_url(database_url)
-    if url.get_backend_name() != "sqlite":
+    if backend_of(database_url) != "sqlite":
         raise ConfigError(
             "environment",
             [
@@ -41,8 +40,8 @@ def resolve_scope_secret(secret: SecretStr | None, database_url: str) -> bytes:
                 "`openssl rand -hex 32`)"
             ],
         )
-    database = url.database
-    if not database or database == ":memory:":
+    database = sqlite_path(database_url)
+    if database == ":memory:":
         # A memory database dies with the process, and its records with it.
         return secrets.token_bytes(_GENERATED_BYTES)
     return embedded_secret(Path(database + SECRET_FILE_SUFFIX))

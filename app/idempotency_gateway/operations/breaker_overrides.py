@@ -12,14 +12,9 @@ import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime
 
-from sqlalchemy import delete, select
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
-from idempotency_gateway.storage.base import store_connection
-from idempotency_gateway.storage.schema import breaker_overrides
+from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 log = logging.getLogger(__name__)
@@ -30,13 +25,13 @@ SYNC_INTERVAL = 2.0
 class BreakerOverrides:
     def __init__(
         self,
-        engine: AsyncEngine,
+        store: RecordStore,
         breakers: Mapping[str, CircuitBreaker],
         *,
         clock: Callable[[], datetime],
         interval: float = SYNC_INTERVAL,
     ) -> None:
-        self.engine = engine
+        self.store = store
         self.breakers = breakers
         self.interval = interval
         self._clock = clock
@@ -50,25 +45,14 @@ class BreakerOverrides:
 
     async def set(self, upstream: str, state: BreakerState | None) -> None:
         """Force ``upstream``'s breaker fleet-wide (``None``: back to normal operation)."""
-        async with store_connection(self.engine, "breaker_override_set") as connection:
-            if state is None:
-                await connection.execute(
-                    delete(breaker_overrides).where(breaker_overrides.c.upstream == upstream)
-                )
-            else:
-                dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
-                values = {"upstream": upstream, "state": state.value, "updated_at": self._clock()}
-                await connection.execute(
-                    dialect.insert(breaker_overrides)
-                    .values(values)
-                    .on_conflict_do_update(index_elements=["upstream"], set_=values)
-                )
+        await self.store.set_breaker_override(
+            upstream, None if state is None else state.value, self._clock()
+        )
         self._apply(upstream, state)
 
     async def sync_once(self) -> None:
-        async with store_connection(self.engine, "breaker_override_sync") as connection:
-            rows = (await connection.execute(select(breaker_overrides))).all()
-        wanted = {row.upstream: BreakerState(row.state) for row in rows}
+        overrides = await self.store.breaker_overrides()
+        wanted = {upstream: BreakerState(state) for upstream, state in overrides.items()}
         for upstream in self.breakers:
             self._apply(upstream, wanted.get(upstream))
 

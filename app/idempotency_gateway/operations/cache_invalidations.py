@@ -7,9 +7,9 @@ writes the record key to ``cache_invalidations``; every process polls the table 
 query after the admin call returns, no worker replays the old answer. A process that cannot
 read the table drops its whole cache instead: it cannot know what it missed.
 
-One clock: a process finds new rows by their id (a sequence, never a time), and rows are
-stamped and pruned with the database's clock inside the statements (``now()``; on SQLite its
-own clock, which every process on the file's machine shares). A gateway whose host clock is
+One clock: a process finds new rows by their id (a sequence, never a time), and the store
+stamps and prunes rows with the database's clock inside its statements (``now()``; on SQLite
+its own clock, which every process on the file's machine shares). A gateway whose host clock is
 off by any amount therefore neither misses a delete nor prunes rows others have not read.
 
 Ids are handed out when an insert starts, not when it commits: two deletes at once can commit
@@ -23,16 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import timedelta
-from typing import Any
-
-from sqlalchemy import ColumnElement, delete, func, insert, or_, select
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.replay.cache import ReplayCache
-from idempotency_gateway.storage.base import store_connection
+from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.storage.records import RecordKey
-from idempotency_gateway.storage.schema import cache_invalidations
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 log = logging.getLogger(__name__)
@@ -43,28 +38,16 @@ RETENTION = timedelta(minutes=10)
 # Far longer than an insert of one row takes to commit after taking its id.
 LATE_COMMIT_GRACE = timedelta(seconds=30)
 
-_table = cache_invalidations.c
-# SQLite keeps times as the text SQLAlchemy's ``DateTime`` writes; this is its clock in a
-# form that orders the same way.
-_SQLITE_TIME = "%Y-%m-%d %H:%M:%f"
-
-
-def database_time(engine: AsyncEngine, *, ago: timedelta = timedelta()) -> ColumnElement[Any]:
-    """The database's "now" (minus ``ago``) inside a statement, never a gateway host's."""
-    if engine.dialect.name == "sqlite":
-        return func.strftime(_SQLITE_TIME, "now", f"-{ago.total_seconds():f} seconds")
-    return func.now() - ago if ago else func.now()
-
 
 class CacheInvalidations:
     def __init__(
         self,
-        engine: AsyncEngine,
+        store: RecordStore,
         cache: ReplayCache,
         *,
         interval: float = POLL_INTERVAL,
     ) -> None:
-        self.engine = engine
+        self.store = store
         self.cache = cache
         self.interval = interval
         self._seen: int | None = None
@@ -78,48 +61,22 @@ class CacheInvalidations:
     async def publish(self, key: RecordKey) -> None:
         """Tell every process to drop ``key``; this process drops it at once."""
         self.cache.invalidate([key])
-        async with store_connection(self.engine, "invalidation_publish") as connection:
-            await connection.execute(
-                insert(cache_invalidations).values(
-                    scope=key.scope,
-                    operation=key.operation,
-                    idempotency_key=key.idempotency_key,
-                    created_at=database_time(self.engine),
-                )
-            )
+        await self.store.publish_invalidation(key)
 
     async def poll_once(self) -> None:
-        async with (
-            store_connection(self.engine, "invalidation_poll") as connection,
-            connection.begin(),
-        ):
-            recent = _table.created_at > database_time(self.engine, ago=LATE_COMMIT_GRACE)
-            if self._seen is None:
-                # A starting process has nothing cached: only later invalidations concern it.
-                newest = (await connection.execute(select(func.max(_table.id)))).scalar()
-                self._seen = newest or 0
-                self._recent = set(
-                    (await connection.execute(select(_table.id).where(recent))).scalars()
-                )
-                return
-            rows = (
-                await connection.execute(
-                    select(_table.id, _table.scope, _table.operation, _table.idempotency_key)
-                    .where(or_(_table.id > self._seen, recent))
-                    .order_by(_table.id)
-                )
-            ).all()
-            await connection.execute(
-                delete(cache_invalidations).where(
-                    _table.created_at < database_time(self.engine, ago=RETENTION)
-                )
+        if self._seen is None:
+            # A starting process has nothing cached: only later invalidations concern it.
+            self._seen, self._recent = await self.store.newest_invalidations(
+                within=LATE_COMMIT_GRACE
             )
+            return
+        rows = await self.store.invalidations_after(
+            self._seen, within=LATE_COMMIT_GRACE, keep=RETENTION
+        )
         unread = [row for row in rows if row.id not in self._recent]
         self._recent = {row.id for row in rows}
         if unread:
-            self.cache.invalidate(
-                RecordKey(row.scope, row.operation, row.idempotency_key) for row in unread
-            )
+            self.cache.invalidate(row.key for row in unread)
         if rows:
             self._seen = max(self._seen, rows[-1].id)
 

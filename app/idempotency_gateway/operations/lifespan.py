@@ -1,6 +1,6 @@
 """The middleware's resources opened and closed with the app, the sweeper running between.
 
-    store = RecordStore.from_url(DATABASE_URL, StoreConfig())
+    store = open_store(DATABASE_URL, StoreConfig())
     api = FastAPI(lifespan=idempotency_lifespan(store))
     api.add_middleware(IdempotencyMiddleware, store=store, ...)
 

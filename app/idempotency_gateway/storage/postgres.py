@@ -1,10 +1,11 @@
-"""``PostgresRecordStore``: the hot path on asyncpg directly, on the database's clock.
+"""``PostgresRecordStore``: every statement on one asyncpg pool, on the database's clock.
 
-Reserve, take over, renew lease, finalize and get run the plain SQL of ``postgres_sql`` on an
-asyncpg pool of their own: no SQLAlchemy compile or result layer per request, and asyncpg
-prepares each statement once per connection (unless ``prepared_statements: false``, for
-PgBouncer in transaction mode). The admin and sweep paths stay on the SQLAlchemy engine the
-base class keeps.
+The request path (reserve, take over, renew lease, finalize, get) and the operators' paths
+(admin reads and removals, stuck records, sweeps, breaker overrides, cache invalidations)
+run the plain SQL of ``postgres_sql`` on the one pool of the process: no SQLAlchemy compile
+or result layer, and asyncpg prepares each statement once per connection (unless
+``prepared_statements: false``, for PgBouncer in transaction mode). Only ``open_store``
+imports this module, for a ``postgresql://`` URL: it is the one place asyncpg is imported.
 """
 
 from __future__ import annotations
@@ -14,37 +15,56 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_gateway.clock import Clock
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.errors import StoreReadOnly, StoreUnavailable
 from idempotency_gateway.storage import postgres_sql as sql
 from idempotency_gateway.storage.base import (
-    READ_ONLY_DETAIL,
     Claim,
     RecordStore,
     Reservation,
     StoredColumns,
-    asyncpg_dsn_of,
+    invalidation_from_row,
     record_from_row,
-    store_errors,
 )
-from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status
+from idempotency_gateway.storage.errors import READ_ONLY_DETAIL, Driver, store_errors
+from idempotency_gateway.storage.records import (
+    Fence,
+    Invalidation,
+    Record,
+    RecordKey,
+    Status,
+)
 
 log = logging.getLogger(__name__)
 
-SYSTEM = "postgresql"
+# A table or column the statement names does not exist: a database not migrated to the head.
+_SCHEMA_MISSING = frozenset({"42P01", "42703"})
+
+DRIVER = Driver(
+    system="postgresql",
+    errors=(
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        # asyncpg's protocol in a state it did not expect: a connection the server ended while
+        # it sat idle in the pool (a failover, an operator's pg_terminate_backend), or one
+        # that broke mid-statement. A store error like any other, not a crash.
+        asyncpg.InternalClientError,
+    ),
+    schema_missing=lambda exc: getattr(exc, "sqlstate", None) in _SCHEMA_MISSING,
+)
 
 
 async def _keep_session(_connection: asyncpg.Connection) -> None:
     """Release without asyncpg's default reset (advisory unlock, CLOSE ALL, UNLISTEN, RESET
-    ALL: a round trip per request). The hot statements leave no session state behind, and an
-    open transaction is still rolled back by the pool itself."""
+    ALL: a round trip per request). No statement leaves session state behind (the sweep's
+    lock is transaction-scoped), and an open transaction is still rolled back by the pool."""
 
 
 async def _decode_json(connection: asyncpg.Connection) -> None:
@@ -54,37 +74,36 @@ async def _decode_json(connection: asyncpg.Connection) -> None:
 
 
 class PostgresRecordStore(RecordStore):
-    def __init__(
-        self, engine: AsyncEngine, config: StoreConfig, *, clock: Clock | None = None
-    ) -> None:
-        super().__init__(engine, clock=clock)
+    def __init__(self, url: str, config: StoreConfig, *, clock: Clock | None = None) -> None:
+        super().__init__(clock=clock)
+        self._dsn = asyncpg_dsn_of(url)
         self.config = config
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        """Open the request path's pool, and its first ``pool_min_size`` connections, before
-        the admin, sweep and breaker-override paths use the database: at the server's
-        connection limit the request path holds its connections first. A database that does
-        not answer yet leaves the pool to be built on first use."""
+        """Open the pool, and its first ``pool_min_size`` connections, before anything else
+        of the gateway uses the database: at the server's connection limit the process holds
+        its connections first. A database that does not answer yet leaves the pool to be
+        built on first use."""
         try:
-            with store_errors("connect", SYSTEM):
+            with store_errors("connect", DRIVER):
                 await self._get_pool()
         except StoreUnavailable as error:
-            log.warning("the request path's store pool will open on first use: %s", error)
+            log.warning("the store's pool will open on first use: %s", error)
 
     async def _get_pool(self) -> asyncpg.Pool:
-        # Built by start(), else on first use (``from_url`` is synchronous, and a gateway
+        # Built by start(), else on first use (``open_store`` is synchronous, and a gateway
         # may start before its database is up).
         if self._pool is not None:
             return self._pool
         async with self._pool_lock:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
-                    asyncpg_dsn_of(self.engine.url),
+                    self._dsn,
                     # A floor the pool keeps (and restores in the background when a
                     # connection is lost): at the server's connection limit these slots stay
-                    # the request path's.
+                    # the gateway's.
                     min_size=min(self.config.pool_min_size, self.config.pool_size),
                     max_size=self.config.pool_size,
                     reset=_keep_session,
@@ -99,7 +118,7 @@ class PostgresRecordStore(RecordStore):
 
     @asynccontextmanager
     async def _pg(self, operation: str) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
-        with store_errors(operation, SYSTEM):
+        with store_errors(operation, DRIVER):
             pool = await self._get_pool()
             # asyncio.timeout rather than acquire(timeout=...): asyncpg applies that one with
             # wait_for, a task of its own per acquire, twice per new key.
@@ -114,10 +133,11 @@ class PostgresRecordStore(RecordStore):
                 await pool.expire_connections()
                 raise
             except Exception:
-                # The hot statements do not fail in normal operation (a conflict is ON CONFLICT
-                # DO NOTHING, a lost compare-and-set is zero rows). A failure is a timeout (the
-                # host may be gone without a reset ever arriving), a lost connection, a server
-                # shutting down, or asyncpg's protocol left mid-message (seen in a failover).
+                # The statements do not fail in normal operation (a conflict is ON CONFLICT
+                # DO NOTHING, a lost compare-and-set is zero rows, the sweep skips locked rows).
+                # A failure is a timeout (the host may be gone without a reset ever arriving),
+                # a lost connection, a server shutting down, or asyncpg's protocol left
+                # mid-message (seen in a failover).
                 # The pool would lend the connection out as it is (``_keep_session`` runs no
                 # reset query that would notice), so the next statement would hang or fail on
                 # it: never reuse it.
@@ -127,8 +147,6 @@ class PostgresRecordStore(RecordStore):
                 await pool.release(connection)
 
     async def ping(self) -> None:
-        """On the request path's own pool (so is ``schema_revision``): readiness checks what
-        a keyed request needs, whatever the admin paths' connections do."""
         async with self._pg("ping") as connection:
             writable = await connection.fetchval(sql.WRITABLE)
         if not writable:
@@ -144,7 +162,6 @@ class PostgresRecordStore(RecordStore):
     async def close(self) -> None:
         if self._pool is not None:
             await self._pool.close()
-        await super().close()
 
     def _pin(self) -> datetime | None:
         return self._pinned_clock() if self._pinned_clock is not None else None
@@ -227,7 +244,78 @@ class PostgresRecordStore(RecordStore):
             row = await connection.fetchrow(sql.SELECT, *self._key(key))
         return record_from_row(row) if row is not None else None
 
+    async def _delete_unless_live(self, key: RecordKey) -> bool:
+        async with self._pg("delete") as connection:
+            tag = await connection.execute(sql.DELETE_UNLESS_LIVE, self._pin(), *self._key(key))
+        return _changed(tag)
+
+    async def _expire_unless_live(self, key: RecordKey) -> bool:
+        async with self._pg("expire") as connection:
+            tag = await connection.execute(sql.EXPIRE_UNLESS_LIVE, self._pin(), *self._key(key))
+        return _changed(tag)
+
+    async def find_by_key(
+        self, idempotency_key: str, *, operation: str | None = None, limit: int
+    ) -> list[Record]:
+        async with self._pg("find_by_key") as connection:
+            rows = await connection.fetch(sql.FIND_BY_KEY, idempotency_key, operation, limit)
+        return [record_from_row(row) for row in rows]
+
+    async def list_stuck(self, *, limit: int) -> list[Record]:
+        async with self._pg("list_stuck") as connection:
+            rows = await connection.fetch(sql.LIST_STUCK, self._pin(), limit)
+        return [record_from_row(row) for row in rows]
+
+    async def count_stuck(self, *, limit: int) -> int:
+        async with self._pg("count_stuck") as connection:
+            return int(await connection.fetchval(sql.COUNT_STUCK, self._pin(), limit))
+
+    async def _sweep_batch(self, batch_size: int) -> int | None:
+        """A transaction that first takes a transaction-scoped advisory lock: one sweeper at
+        a time across every gateway, through PgBouncer in transaction mode too."""
+        async with (
+            self._pg("sweep") as connection,
+            connection.transaction(isolation="read_committed"),
+        ):
+            if not await connection.fetchval(sql.TRY_SWEEP_LOCK, sql.SWEEP_LOCK_ID):
+                return None
+            return _rows(await connection.execute(sql.SWEEP_BATCH, self._pin(), batch_size))
+
+    async def set_breaker_override(self, upstream: str, state: str | None, at: datetime) -> None:
+        async with self._pg("breaker_override_set") as connection:
+            if state is None:
+                await connection.execute(sql.CLEAR_BREAKER_OVERRIDE, upstream)
+            else:
+                await connection.execute(sql.SET_BREAKER_OVERRIDE, upstream, state, at)
+
+    async def breaker_overrides(self) -> dict[str, str]:
+        async with self._pg("breaker_override_sync") as connection:
+            rows = await connection.fetch(sql.BREAKER_OVERRIDES)
+        return {row["upstream"]: row["state"] for row in rows}
+
+    async def publish_invalidation(self, key: RecordKey) -> None:
+        async with self._pg("invalidation_publish") as connection:
+            await connection.execute(sql.PUBLISH_INVALIDATION, *self._key(key))
+
+    async def newest_invalidations(self, *, within: timedelta) -> tuple[int, set[int]]:
+        async with self._pg("invalidation_poll") as connection, connection.transaction():
+            newest = await connection.fetchval(sql.NEWEST_INVALIDATION)
+            recent = await connection.fetch(sql.RECENT_INVALIDATIONS, within.total_seconds())
+        return int(newest), {row["id"] for row in recent}
+
+    async def invalidations_after(
+        self, seen: int, *, within: timedelta, keep: timedelta
+    ) -> list[Invalidation]:
+        async with self._pg("invalidation_poll") as connection, connection.transaction():
+            rows = await connection.fetch(sql.INVALIDATIONS_AFTER, seen, within.total_seconds())
+            await connection.execute(sql.PRUNE_INVALIDATIONS, keep.total_seconds())
+        return [invalidation_from_row(row) for row in rows]
+
+
+def _rows(command_tag: str) -> int:
+    """asyncpg answers a DELETE or UPDATE with its command tag, ``DELETE <rows>``."""
+    return int(command_tag.rpartition(" ")[2])
+
 
 def _changed(command_tag: str) -> bool:
-    """asyncpg answers an UPDATE with its command tag, ``UPDATE <rows>``."""
-    return not command_tag.endswith(" 0")
+    return _rows(command_tag) > 0

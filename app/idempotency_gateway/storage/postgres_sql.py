@@ -1,4 +1,4 @@
-"""The PostgreSQL store's hot statements, as the database runs them.
+"""The PostgreSQL store's statements, as the database runs them: every one it runs.
 
 One clock: every lease and expiry is written and compared with the database's clock
 (``now()``: one instant per statement, which runs in autocommit), never a gateway host's, so
@@ -17,7 +17,7 @@ finds the key taken still draws one: sequences may skip values, never repeat the
 
 from __future__ import annotations
 
-from idempotency_gateway.storage.schema import FENCING_TOKEN_SOURCE
+from idempotency_gateway.storage.records import FENCING_TOKEN_SOURCE
 
 _CLOCK = "clock AS (SELECT coalesce($1::timestamptz, now()) AS now)"
 _KEY = "r.scope = $2 AND r.operation = $3 AND r.idempotency_key = $4"
@@ -123,3 +123,92 @@ SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'o
 # Readiness: the Alembic revision, on the request path's own connection.
 MIGRATED = "SELECT to_regclass('alembic_version') IS NOT NULL"
 SCHEMA_REVISION = "SELECT version_num FROM alembic_version"
+
+# The operators' statements: the admin API, the sweeper, the stuck-record gauge. A record in
+# flight under a live lease is never removed; see ``RecordStore.delete``.
+DELETE_UNLESS_LIVE = f"""
+WITH {_CLOCK}
+DELETE FROM idempotency_records r USING clock
+WHERE {_KEY} AND {_NOT_LIVE}
+"""
+
+EXPIRE_UNLESS_LIVE = f"""
+WITH {_CLOCK}
+UPDATE idempotency_records r SET expires_at = clock.now, updated_at = clock.now
+FROM clock
+WHERE {_KEY} AND {_NOT_LIVE}
+"""
+
+# $1 idempotency key, $2 operation or NULL for every operation, $3 limit.
+FIND_BY_KEY = """
+SELECT r.* FROM idempotency_records r
+WHERE r.idempotency_key = $1 AND ($2::text IS NULL OR r.operation = $2)
+ORDER BY r.created_at DESC
+LIMIT $3
+"""
+
+_STUCK = "r.status = 'IN_PROGRESS' AND r.lease_expires_at <= clock.now"
+
+# $2 limit.
+LIST_STUCK = f"""
+WITH {_CLOCK}
+SELECT r.* FROM idempotency_records r, clock
+WHERE {_STUCK}
+ORDER BY r.lease_expires_at
+LIMIT $2
+"""
+
+# $2 limit: counting stops there, however many owners died.
+COUNT_STUCK = f"""
+WITH {_CLOCK}
+SELECT count(*) FROM (SELECT FROM idempotency_records r, clock WHERE {_STUCK} LIMIT $2) stuck
+"""
+
+# Any fixed number, the same in every gateway: the key of the sweepers' advisory lock.
+SWEEP_LOCK_ID = 0x1DE4_9A7E
+
+# Transaction-scoped: it holds through PgBouncer in transaction mode, where a session lock
+# would not (the next statement may run on another server connection).
+TRY_SWEEP_LOCK = "SELECT pg_try_advisory_xact_lock($1)"
+
+# $2 batch size. SKIP LOCKED passes over rows an owner is finalizing right now instead of
+# waiting on them; a live execution is never deleted, whatever its TTL says.
+SWEEP_BATCH = f"""
+WITH {_CLOCK}
+DELETE FROM idempotency_records
+WHERE (scope, operation, idempotency_key) IN (
+    SELECT r.scope, r.operation, r.idempotency_key FROM idempotency_records r, clock
+    WHERE r.expires_at <= clock.now AND {_NOT_LIVE}
+    LIMIT $2
+    FOR UPDATE OF r SKIP LOCKED
+)
+"""
+
+# $1 upstream, $2 state, $3 when.
+SET_BREAKER_OVERRIDE = """
+INSERT INTO breaker_overrides (upstream, state, updated_at) VALUES ($1, $2, $3)
+ON CONFLICT (upstream) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at
+"""
+CLEAR_BREAKER_OVERRIDE = "DELETE FROM breaker_overrides WHERE upstream = $1"
+BREAKER_OVERRIDES = "SELECT upstream, state FROM breaker_overrides"
+
+# Invalidations are stamped and pruned with the database's clock, never a gateway host's.
+PUBLISH_INVALIDATION = """
+INSERT INTO cache_invalidations (scope, operation, idempotency_key, created_at)
+VALUES ($1, $2, $3, now())
+"""
+NEWEST_INVALIDATION = "SELECT coalesce(max(id), 0) FROM cache_invalidations"
+# $1 seconds.
+RECENT_INVALIDATIONS = """
+SELECT id FROM cache_invalidations WHERE created_at > now() - make_interval(secs => $1)
+"""
+# $1 the last id read, $2 seconds.
+INVALIDATIONS_AFTER = """
+SELECT id, scope, operation, idempotency_key FROM cache_invalidations
+WHERE id > $1 OR created_at > now() - make_interval(secs => $2)
+ORDER BY id
+"""
+# $1 seconds.
+PRUNE_INVALIDATIONS = """
+DELETE FROM cache_invalidations WHERE created_at < now() - make_interval(secs => $1)
+"""

@@ -6,6 +6,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
+# "METHOD path" by default: longer operations cannot be recorded (the middleware says 414).
+OPERATION_MAX_LENGTH = 512
+
+# Where fencing tokens come from, one source per database: the sequence of this name on
+# PostgreSQL, and on SQLite a one-row counter table of this name (bumped in the transaction
+# that writes the new owner).
+FENCING_TOKEN_SOURCE = "idempotency_fencing_tokens"
+
 
 class Status(StrEnum):
     IN_PROGRESS = "IN_PROGRESS"
@@ -66,3 +74,12 @@ class Fence:
 
     owner_id: str
     fencing_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Invalidation:
+    """An operator's delete or expire of ``key``, for every process's in-process replay cache;
+    ``id`` orders them (a sequence, never a time)."""
+
+    id: int
+    key: RecordKey

@@ -1,4 +1,5 @@
-"""The gateway's tables. Alembic migrations create and change them."""
+"""The gateway's tables, described for Alembic, which creates and changes them; the stores
+run SQL of their own on their native drivers (``postgres_sql``, ``sqlite_sql``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from sqlalchemy import (
     text,
 )
 
+from idempotency_gateway.storage.records import FENCING_TOKEN_SOURCE, OPERATION_MAX_LENGTH
+
 metadata = MetaData(
     naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -28,14 +31,6 @@ metadata = MetaData(
         "pk": "pk_%(table_name)s",
     }
 )
-
-# "METHOD path" by default: longer operations cannot be recorded (the middleware says 414).
-OPERATION_MAX_LENGTH = 512
-
-# Where fencing tokens come from, one source per database: the sequence of this name on
-# PostgreSQL, and on SQLite the one-row counter table below (bumped in the transaction that
-# writes the new owner).
-FENCING_TOKEN_SOURCE = "idempotency_fencing_tokens"
 
 records = Table(
     "idempotency_records",

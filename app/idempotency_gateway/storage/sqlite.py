@@ -1,11 +1,9 @@
-"""``SqliteRecordStore``: the hot path on the standard library's ``sqlite3``, in one thread.
+"""``SqliteRecordStore``: every statement on the standard library's ``sqlite3``, in one thread.
 
-Reserve, take over, renew lease, finalize and get run the plain SQL of ``sqlite_sql`` on one
+The request path and the operators' paths run the plain SQL of ``sqlite_sql`` on one
 connection that lives on a thread of its own: each operation is one hop to that thread and
-back, its statements run there back to back, and no SQLAlchemy compile or result layer runs
-per request. SQLite has one writer per file anyway, so one connection per process loses no
-parallelism that the database would give. The admin and sweep paths stay on the SQLAlchemy
-engine the base class keeps, on the same file.
+back, and its statements run there back to back. SQLite has one writer per file anyway, so
+one connection per process loses no parallelism that the database would give.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from idempotency_gateway.clock import Clock
 from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.storage import sqlite_sql as sql
@@ -28,19 +24,34 @@ from idempotency_gateway.storage.base import (
     RecordStore,
     Reservation,
     StoredColumns,
+    invalidation_from_row,
     record_from_row,
-    store_errors,
 )
-from idempotency_gateway.storage.records import Fence, Record, RecordKey, Status
+from idempotency_gateway.storage.errors import Driver, store_errors
+from idempotency_gateway.storage.records import Fence, Invalidation, Record, RecordKey, Status
 
 T = TypeVar("T")
+
+
+def _schema_missing(exc: BaseException) -> bool:
+    """SQLite has no SQLSTATE: its message says so ("no such table", "no such column")."""
+    return isinstance(exc, sqlite3.OperationalError) and str(exc).startswith("no such ")
+
+
+DRIVER = Driver(system="sqlite", errors=(sqlite3.Error,), schema_missing=_schema_missing)
 
 _TIME_COLUMNS = ("lease_expires_at", "created_at", "updated_at", "expires_at")
 
 
 def to_text(moment: datetime) -> str:
-    """A time as SQLAlchemy's SQLite ``DateTime`` writes it (naive UTC, microseconds), so text
-    comparisons order times correctly and SQLAlchemy reads what this store wrote."""
+    """A time as the store keeps it: naive UTC, ``YYYY-MM-DD HH:MM:SS.ffffff``.
+
+    SQLite has no time type, so times are text and every comparison of them is a text
+    comparison: one fixed-width form makes text order time order. It is the form SQLAlchemy's
+    SQLite ``DateTime`` writes, which the files of earlier releases hold (their admin paths
+    wrote through SQLAlchemy) and the migrations keep; a row written before and one written
+    now must compare correctly, so the form cannot change.
+    """
     return moment.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
@@ -74,22 +85,39 @@ def _with_new_token(
 ) -> sqlite3.Row | None:
     """Run an owner-granting ``statement`` with the counter's next fencing token, in one
     transaction; when it writes nothing, the counter stays as it was too."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
+
+    def grant(db: sqlite3.Connection) -> sqlite3.Row | None:
         counter = _first(db.execute(sql.NEXT_TOKEN))
         if counter is None:
             raise sqlite3.DatabaseError("the fencing token counter has no row: migrate")
-        row = _first(db.execute(statement, values | {"token": counter[0]}))
+        return _first(db.execute(statement, values | {"token": counter[0]}))
+
+    return _in_transaction(db, grant, keep=lambda row: row is not None)
+
+
+def _in_transaction(
+    db: sqlite3.Connection,
+    work: Callable[[sqlite3.Connection], T],
+    *,
+    keep: Callable[[T], bool] = lambda _result: True,
+) -> T:
+    """Run ``work`` in one transaction, committed if ``keep`` says so of its result.
+
+    IMMEDIATE: the writer's lock from the start, so work that reads and then writes never
+    finds another process's write in its way half-way through."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        result = work(db)
     except BaseException:
         db.execute("ROLLBACK")
         raise
-    db.execute("COMMIT" if row is not None else "ROLLBACK")
-    return row
+    db.execute("COMMIT" if keep(result) else "ROLLBACK")
+    return result
 
 
 class SqliteRecordStore(RecordStore):
-    def __init__(self, engine: AsyncEngine, path: str, *, clock: Clock | None = None) -> None:
-        super().__init__(engine, clock=clock)
+    def __init__(self, path: str, *, clock: Clock | None = None) -> None:
+        super().__init__(clock=clock)
         self._path = path
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")
         # Opened on first use, and only ever touched on ``_thread``.
@@ -107,7 +135,7 @@ class SqliteRecordStore(RecordStore):
         return self._db
 
     async def _run(self, operation: str, work: Callable[[sqlite3.Connection], T]) -> T:
-        with store_errors(operation, "sqlite"):
+        with store_errors(operation, DRIVER):
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._thread, lambda: work(self._opened()))
 
@@ -124,7 +152,21 @@ class SqliteRecordStore(RecordStore):
             self._closed = True
             await asyncio.get_running_loop().run_in_executor(self._thread, self._disconnect)
             self._thread.shutdown()
-        await super().close()
+
+    async def ping(self) -> None:
+        await self._run("ping", lambda db: db.execute("SELECT 1").fetchall())
+
+    async def schema_revision(self) -> str | None:
+        def read(db: sqlite3.Connection) -> str | None:
+            if _first(db.execute(sql.SCHEMA_MIGRATED)) is None:
+                return None
+            revision = _first(db.execute(sql.SCHEMA_REVISION))
+            return None if revision is None else str(revision[0])
+
+        return await self._run("schema", read)
+
+    def _now(self) -> str:
+        return to_text(self.clock())
 
     async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
         now = self.clock()
@@ -168,10 +210,7 @@ class SqliteRecordStore(RecordStore):
         now = self.clock()
         values = _key(key) | _fence(fence)
         values |= {"now": to_text(now), "lease_expires_at": to_text(now + timedelta(seconds=lease))}
-        changed = await self._run(
-            "renew_lease", lambda db: db.execute(sql.RENEW_LEASE, values).rowcount
-        )
-        return changed > 0
+        return await self._changes("renew_lease", sql.RENEW_LEASE, values) > 0
 
     async def _write_outcome(
         self, key: RecordKey, fence: Fence, status: Status, answer: StoredColumns, ttl: float
@@ -188,16 +227,96 @@ class SqliteRecordStore(RecordStore):
             "body_compressed": answer.compressed,
             "body_omitted": answer.omitted,
         }
-        changed = await self._run("finalize", lambda db: db.execute(sql.FINALIZE, values).rowcount)
-        return changed > 0
+        return await self._changes("finalize", sql.FINALIZE, values) > 0
 
     async def release_unsent(self, key: RecordKey, owner_id: str) -> bool:
         values = _key(key) | {"f_owner": owner_id, "now": to_text(self.clock())}
-        changed = await self._run(
-            "release_unsent", lambda db: db.execute(sql.RELEASE_UNSENT, values).rowcount
-        )
-        return changed > 0
+        return await self._changes("release_unsent", sql.RELEASE_UNSENT, values) > 0
 
     async def get(self, key: RecordKey) -> Record | None:
         row = await self._run("get", lambda db: _first(db.execute(sql.SELECT, _key(key))))
         return _record(row) if row is not None else None
+
+    async def _delete_unless_live(self, key: RecordKey) -> bool:
+        values = _key(key) | {"now": self._now()}
+        return await self._changes("delete", sql.DELETE_UNLESS_LIVE, values) > 0
+
+    async def _expire_unless_live(self, key: RecordKey) -> bool:
+        values = _key(key) | {"now": self._now()}
+        return await self._changes("expire", sql.EXPIRE_UNLESS_LIVE, values) > 0
+
+    async def _changes(self, operation: str, statement: str, values: dict[str, Any]) -> int:
+        """Rows ``statement`` wrote."""
+        return await self._run(operation, lambda db: db.execute(statement, values).rowcount)
+
+    async def _records(
+        self, operation: str, statement: str, values: dict[str, Any]
+    ) -> list[Record]:
+        rows = await self._run(operation, lambda db: db.execute(statement, values).fetchall())
+        return [_record(row) for row in rows]
+
+    async def find_by_key(
+        self, idempotency_key: str, *, operation: str | None = None, limit: int
+    ) -> list[Record]:
+        values = {"key": idempotency_key, "operation": operation, "limit": limit}
+        return await self._records("find_by_key", sql.FIND_BY_KEY, values)
+
+    async def list_stuck(self, *, limit: int) -> list[Record]:
+        values = {"now": self._now(), "limit": limit}
+        return await self._records("list_stuck", sql.LIST_STUCK, values)
+
+    async def count_stuck(self, *, limit: int) -> int:
+        values = {"now": self._now(), "limit": limit}
+        return int(await self._run("count_stuck", lambda db: _only(db, sql.COUNT_STUCK, values)))
+
+    async def _sweep_batch(self, batch_size: int) -> int | None:
+        values = {"now": self._now(), "limit": batch_size}
+        return await self._changes("sweep", sql.SWEEP_BATCH, values)
+
+    async def set_breaker_override(self, upstream: str, state: str | None, at: datetime) -> None:
+        if state is None:
+            await self._changes(
+                "breaker_override_set", sql.CLEAR_BREAKER_OVERRIDE, {"upstream": upstream}
+            )
+        else:
+            values = {"upstream": upstream, "state": state, "at": to_text(at)}
+            await self._changes("breaker_override_set", sql.SET_BREAKER_OVERRIDE, values)
+
+    async def breaker_overrides(self) -> dict[str, str]:
+        rows = await self._run(
+            "breaker_override_sync", lambda db: db.execute(sql.BREAKER_OVERRIDES).fetchall()
+        )
+        return {row["upstream"]: row["state"] for row in rows}
+
+    async def publish_invalidation(self, key: RecordKey) -> None:
+        await self._changes("invalidation_publish", sql.PUBLISH_INVALIDATION, _key(key))
+
+    async def newest_invalidations(self, *, within: timedelta) -> tuple[int, set[int]]:
+        def read(db: sqlite3.Connection) -> tuple[int, set[int]]:
+            newest = _only(db, sql.NEWEST_INVALIDATION, {})
+            recent = db.execute(sql.RECENT_INVALIDATIONS, _seconds(within)).fetchall()
+            return int(newest), {row["id"] for row in recent}
+
+        return await self._run("invalidation_poll", lambda db: _in_transaction(db, read))
+
+    async def invalidations_after(
+        self, seen: int, *, within: timedelta, keep: timedelta
+    ) -> list[Invalidation]:
+        def read_and_prune(db: sqlite3.Connection) -> list[sqlite3.Row]:
+            values = {"seen": seen} | _seconds(within)
+            rows: list[sqlite3.Row] = db.execute(sql.INVALIDATIONS_AFTER, values).fetchall()
+            db.execute(sql.PRUNE_INVALIDATIONS, _seconds(keep))
+            return rows
+
+        rows = await self._run("invalidation_poll", lambda db: _in_transaction(db, read_and_prune))
+        return [invalidation_from_row(row) for row in rows]
+
+
+def _only(db: sqlite3.Connection, statement: str, values: dict[str, Any]) -> Any:
+    """The one value of a statement's one row."""
+    row = _first(db.execute(statement, values))
+    return None if row is None else row[0]
+
+
+def _seconds(span: timedelta) -> dict[str, str]:
+    return {"seconds": f"{span.total_seconds():f}"}

@@ -1,0 +1,32 @@
+"""``open_store``: the record store a database URL names, on that database's own driver.
+
+The backend's module is imported here, when a URL asks for it, and nowhere else: a gateway
+on SQLite never imports asyncpg, and the base class never imports a backend.
+"""
+
+from __future__ import annotations
+
+from idempotency_gateway.clock import Clock
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.database_url import backend_of, sqlite_path
+from idempotency_gateway.storage.base import RecordStore
+
+
+def open_store(url: str, config: StoreConfig, *, clock: Clock | None = None) -> RecordStore:
+    """The store at ``url`` (``postgresql://...``, a libpq host list included, or
+    ``sqlite:///path``), on a database migrated to the head. Nothing connects yet: the
+    first connection is made by ``await store.start()`` or the first statement.
+
+    ``clock`` pins the store's "now" (tests that move time by hand); ``ValueError`` for a
+    URL of any other database, without echoing it (it may hold a password).
+    """
+    backend = backend_of(url)
+    if backend == "postgresql":
+        from idempotency_gateway.storage.postgres import PostgresRecordStore
+
+        return PostgresRecordStore(url, config, clock=clock)
+    if backend == "sqlite":
+        from idempotency_gateway.storage.sqlite import SqliteRecordStore
+
+        return SqliteRecordStore(sqlite_path(url), clock=clock)
+    raise ValueError("not a database URL the store can open (postgresql://... or sqlite://...)")
