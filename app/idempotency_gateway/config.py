@@ -591,6 +591,7 @@ DATABASE_SCHEMES: Final = (
     "postgres",
     "postgresql+asyncpg",
     "sqlite",
+    # Written by configurations of earlier releases; the store reads it as plain sqlite.
     "sqlite+aiosqlite",
 )
 REDIS_SCHEMES: Final = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")

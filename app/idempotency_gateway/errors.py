@@ -1,9 +1,9 @@
 """The gateway's one error tree.
 
 Every failure a client can see is a ``GatewayError``; each knows the RFC 9457 problem it
-becomes. Low-level failures (sockets and HTTP parsing, SQLAlchemy/asyncpg/aiosqlite) are
-translated into this tree in one place each: ``proxy`` (its client, connection and pool) and
-``idempotency.store``.
+becomes. Low-level failures (sockets and HTTP parsing, asyncpg and sqlite3) are translated
+into this tree in one place each: ``proxy`` (its client, connection and pool) and
+``storage.errors``.
 
     GatewayError
     ├── RequestRejected                 the request itself is wrong (4xx)
