@@ -17,6 +17,7 @@ from redis.asyncio import RedisCluster
 from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
 from idempotency_gateway.replay.redis_adapter import RedisUnavailable
 from idempotency_gateway.replay.redis_connection import (
+    CommandClient,
     NodeSubscriber,
     cluster_client,
     redis_failures,
@@ -52,9 +53,10 @@ class SlotMap:
                 await seed.disconnect()
 
 
-class ClusterRedis:
+class ClusterRedis(CommandClient):
     def __init__(self, commands: RedisCluster, topology: RedisCluster) -> None:
-        self._client = commands
+        super().__init__(commands)
+        self._client: RedisCluster = commands
         self._slot_map = SlotMap(topology)
 
     @classmethod
@@ -78,14 +80,6 @@ class ClusterRedis:
     async def publish(self, channel: str) -> None:
         with redis_failures():
             await self._client.spublish(channel, b"1")
-
-    async def delete(self, name: str) -> None:
-        with redis_failures():
-            await self._client.delete(name)
-
-    async def ping(self) -> bool:
-        with redis_failures():
-            return bool(await self._client.ping())
 
     async def health(self, *, ping: Callable[[], Awaitable[bool]], ping_timeout: float) -> str:
         """Each primary that does not answer a PING, asked directly, past the cache's breaker,

@@ -106,6 +106,21 @@ def cluster_client(url: str, *, timeout: float | None, connect_timeout: float) -
     )
 
 
+class CommandClient:
+    """The commands one node and a cluster send alike, through the client's own methods."""
+
+    def __init__(self, client: Redis | RedisCluster) -> None:
+        self._client = client
+
+    async def delete(self, name: str) -> None:
+        with redis_failures():
+            await self._client.delete(name)
+
+    async def ping(self) -> bool:
+        with redis_failures():
+            return bool(await self._client.ping())
+
+
 class PubSubSubscription:
     """Channels on one pub/sub connection: classic ones on a single node, sharded ones
     (SSUBSCRIBE) on a cluster's primary."""

@@ -11,14 +11,20 @@ from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
-from idempotency_gateway.replay.redis_connection import NodeSubscriber, node_client, redis_failures
+from idempotency_gateway.replay.redis_connection import (
+    CommandClient,
+    NodeSubscriber,
+    node_client,
+    redis_failures,
+)
 from idempotency_gateway.replay.redis_direct import DirectCommands
 from idempotency_gateway.replay.wakeups import RedisWakeups
 
 
-class NodeRedis:
+class NodeRedis(CommandClient):
     def __init__(self, commands: Redis, subscriber: Redis) -> None:
-        self._client = commands
+        super().__init__(commands)
+        self._client: Redis = commands
         self._direct = DirectCommands(commands)
         self._subscriber = NodeSubscriber(subscriber, sharded=False)
 
@@ -40,14 +46,6 @@ class NodeRedis:
     async def publish(self, channel: str) -> None:
         with redis_failures():
             await self._client.publish(channel, b"1")
-
-    async def delete(self, name: str) -> None:
-        with redis_failures():
-            await self._client.delete(name)
-
-    async def ping(self) -> bool:
-        with redis_failures():
-            return bool(await self._client.ping())
 
     async def health(self, *, ping: Callable[[], Awaitable[bool]], ping_timeout: float) -> str:
         # One node: the cache's own PING, so readiness agrees with what requests see.
