@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio
 from redis.crc import key_slot
 
-from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
+from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.wakeups import channel_for
 from idempotency_gateway.storage.records import RecordKey
 from tests.support.redis_nodes import RedisClusterNodes, RedisNode, tolerates_dead_node_leaks
@@ -102,11 +102,7 @@ async def test_a_dead_primary_delays_only_the_wakeups_of_the_keys_it_serves(
     after = {address: keys[1] for address, keys in chosen.items() if address != victim.address}
     assert len(after) == 2, "keys on two live primaries"
 
-    wakeups = ClusterWakeups(
-        subscriber=cluster.client(timeout=None),
-        publisher=cluster.client(timeout=1.0),
-        timeout=1.0,
-    )
+    wakeups = connect_redis(cluster.url, timeout=1.0, connect_timeout=1.0).wakeups(timeout=1.0)
     await wakeups.start()
     waiters = {
         address: asyncio.create_task(wakeups.wait(key, WAIT)) for address, key in before.items()
@@ -142,10 +138,6 @@ async def test_a_dead_primary_delays_only_the_wakeups_of_the_keys_it_serves(
         for waiter in waiters.values():
             waiter.cancel()
         await wakeups.close()
-        await wakeups.publisher.aclose()
-        await wakeups.redis.aclose()
-        # A re-read slot map leaves the seed nodes' own connections open (aclose closes the
-        # nodes of the map only): close them while the loop runs.
-        for seed in wakeups.cluster.nodes_manager.startup_nodes.values():
-            await seed.disconnect()
+        # Closed while the loop runs, the seed nodes' own connections too.
+        await wakeups.publisher.close()
         gc.collect()

@@ -3,16 +3,25 @@
 A module may import from its own folder and from any layer below its own; never from a layer
 above, and never from a sibling package of the same layer (``idempotency`` and ``proxy`` share
 only what lies below them, such as ``execution``).
+
+The rule is stated twice: as import-linter contracts (``[tool.importlinter]`` in
+pyproject.toml, which also follow indirect imports), run here as ``lint-imports``, and as
+``LAYERS`` below, which a layers contract cannot say all of: that the package's own
+``__init__`` (the public API) is imported by the CLI alone.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import idempotency_gateway
+from tests.support.servers import PROJECT_ROOT
 
 PACKAGE = Path(idempotency_gateway.__file__).parent
 NAME = "idempotency_gateway"
@@ -89,3 +98,17 @@ def test_imports_point_down(path: Path) -> None:
         if (unit := _unit_of(imported)) != importer and _layer_of(unit) >= _layer_of(importer)
     ]
     assert not upward, f"{path.relative_to(PACKAGE)} imports from its own layer or above: {upward}"
+
+
+def test_the_import_linter_contracts_are_kept() -> None:
+    lint_imports = "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    result = subprocess.run(
+        [sys.executable, "-c", lint_imports, "--no-cache"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"Contracts: [1-9]\d* kept, 0 broken", result.stdout), result.stdout

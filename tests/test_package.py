@@ -3,7 +3,8 @@
 The installed CLI prints its version, migrates an SQLite file and serves one request through
 to an upstream; the README's library example runs from the install; the client helper says
 which extra it needs until ``[client]`` is installed; and a user project with its own ``app``
-package imports ``idempotency_gateway`` (the import name never collides with it).
+package imports ``idempotency_gateway`` (the import name never collides with it); and
+without redis-py the gateway and the library run on the in-process cache and wake-ups.
 Installing resolves dependencies from PyPI or pip's cache, so this takes a minute.
 """
 
@@ -196,3 +197,27 @@ def test_the_public_api_resolves_every_name_and_ships_py_typed() -> None:
     assert (package_dir / "py.typed").exists()
     with pytest.raises(AttributeError):
         getattr(idempotency_gateway, "NoSuchThing")  # noqa: B009 - the dynamic lookup is tested
+
+
+def test_a_gateway_without_redis_runs_without_redis_py_installed(tmp_path: Path) -> None:
+    # ``sys.modules["redis"] = None`` makes every import of redis-py fail, as if it were not
+    # installed; ``sys.modules`` then shows that nothing but building an adapter imports it.
+    program = (
+        "import sys\n"
+        "sys.modules['redis'] = None\n"
+        "import idempotency_gateway.replay, idempotency_gateway.replay.cache\n"
+        "import idempotency_gateway.replay.redis_cache, idempotency_gateway.replay.wakeups\n"
+        "from idempotency_gateway import InProcessCache, RedisCache, connect_redis\n"
+        "from idempotency_gateway.config import CacheConfig\n"
+        "from idempotency_gateway.main import replay_layer\n"
+        "cache, wakeups = replay_layer(CacheConfig(), None)\n"
+        "print(type(cache).__name__, type(wakeups).__name__)\n"
+        "try:\n"
+        "    connect_redis('redis://127.0.0.1:6379/0', timeout=1.0, connect_timeout=1.0)\n"
+        "except ImportError:\n"
+        "    print('needs-redis-py')\n"
+    )
+
+    output = run(sys.executable, "-c", program, cwd=tmp_path)
+
+    assert output.split() == ["InProcessCache", "LocalWakeups", "needs-redis-py"]

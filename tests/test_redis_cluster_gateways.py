@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import RedisCluster
 
 from idempotency_gateway.replay.cache import cache_key
-from idempotency_gateway.replay.redis_connection import connect_redis
+from idempotency_gateway.replay.redis_connection import cluster_client
 from idempotency_gateway.replay.wakeups import channel_for
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import route
@@ -86,8 +86,7 @@ async def cluster() -> AsyncIterator[RedisClusterNodes]:
 @pytest.fixture
 async def inspector(cluster: RedisClusterNodes) -> AsyncIterator[RedisCluster]:
     """A client of the test's own, to see which node owns a key and what it holds."""
-    client = connect_redis(cluster.url, timeout=1.0, connect_timeout=1.0)
-    assert isinstance(client, RedisCluster)
+    client = cluster_client(cluster.url, timeout=1.0, connect_timeout=1.0)
     await client.initialize()
     yield client
     await client.aclose()

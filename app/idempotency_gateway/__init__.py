@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.operations.lifespan import idempotency_lifespan
     from idempotency_gateway.replay.cache import InProcessCache
+    from idempotency_gateway.replay.redis_adapter import connect_redis
     from idempotency_gateway.replay.redis_cache import RedisCache
-    from idempotency_gateway.replay.redis_connection import connect_redis
     from idempotency_gateway.storage.backends import open_store
     from idempotency_gateway.storage.base import RecordStore
 
@@ -48,7 +48,7 @@ _HOMES = {
     "open_store": "idempotency_gateway.storage.backends",
     "InProcessCache": "idempotency_gateway.replay.cache",
     "RedisCache": "idempotency_gateway.replay.redis_cache",
-    "connect_redis": "idempotency_gateway.replay.redis_connection",
+    "connect_redis": "idempotency_gateway.replay.redis_adapter",
     "AnonymousPolicy": "idempotency_gateway.config",
     "CacheConfig": "idempotency_gateway.config",
     "IdempotencyConfig": "idempotency_gateway.config",

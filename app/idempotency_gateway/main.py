@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
-from redis.asyncio import RedisCluster
 
 from idempotency_gateway.asgi import Receive, Scope, Send
 from idempotency_gateway.clock import utc_now
@@ -48,10 +47,9 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
-from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
+from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.redis_cache import RedisCache
-from idempotency_gateway.replay.redis_connection import connect_redis
-from idempotency_gateway.replay.wakeups import LocalWakeups, RedisWakeups, Wakeups
+from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.resilience.bulkhead import publish_every
 from idempotency_gateway.resilience.bulkheads import BulkheadMiddleware, route_bulkheads
@@ -88,16 +86,10 @@ def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCach
     """Redis when configured (shared by every gateway process), else in-process."""
     if redis_url is None:
         return InProcessCache.sized_by(config), LocalWakeups()
-    publisher = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
-    subscriber = connect_redis(redis_url, timeout=None, connect_timeout=config.timeout)
-    cache = RedisCache(publisher, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
-    if isinstance(subscriber, RedisCluster) and isinstance(publisher, RedisCluster):
-        wakeups: Wakeups = ClusterWakeups(
-            subscriber=subscriber, publisher=publisher, timeout=config.timeout
-        )
-    else:
-        wakeups = RedisWakeups(subscriber=subscriber, publisher=publisher, timeout=config.timeout)
-    return cache, wakeups
+    # One adapter for both: the cache closes it, after the gateway closed the wake-ups.
+    redis = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
+    cache = RedisCache(redis, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
+    return cache, redis.wakeups(timeout=config.timeout)
 
 
 def _record_breaker_transition(upstream: str, old: BreakerState, new: BreakerState) -> None:

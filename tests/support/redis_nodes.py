@@ -24,7 +24,7 @@ import redis.asyncio
 from redis.asyncio import RedisCluster
 from redis.exceptions import RedisError
 
-from idempotency_gateway.replay.redis_connection import connect_redis
+from idempotency_gateway.replay.redis_connection import cluster_client
 from tests.support.lifecycle import StartedInContext
 from tests.support.servers import LOOPBACK, free_port
 from tests.support.waiting import eventually
@@ -160,9 +160,7 @@ class RedisClusterNodes(StartedInContext):
 
     def client(self, *, timeout: float | None) -> RedisCluster:
         """A cluster client as the gateway makes one (``timeout=None``: a subscriber's)."""
-        client = connect_redis(self.url, timeout=timeout, connect_timeout=1.0)
-        assert isinstance(client, RedisCluster)
-        return client
+        return cluster_client(self.url, timeout=timeout, connect_timeout=1.0)
 
     async def start(self) -> None:
         for node in self.nodes:

@@ -21,14 +21,18 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
-from redis.asyncio import ConnectionPool, Redis, RedisCluster
-from redis.asyncio.client import PubSub
-from redis.asyncio.cluster import ClusterNode
-
-from idempotency_gateway.replay.redis_cache import REDIS_FAILURES
-from idempotency_gateway.replay.wakeups import RedisWakeups
+from idempotency_gateway.replay.redis_adapter import RedisUnavailable
+from idempotency_gateway.replay.wakeups import PublishedWakeups
 from idempotency_gateway.resilience.backoff import full_jitter
+
+if TYPE_CHECKING:
+    from idempotency_gateway.replay.redis_adapter import (
+        ClusterTopology,
+        RedisAdapter,
+        Subscription,
+    )
 
 # The first rebuild of a broken listener comes within a tenth of a second (a blip costs
 # little); a primary that stays dead is asked at most every few seconds.
@@ -46,17 +50,13 @@ def _backoff(failures: int) -> float:
 class PrimaryListener:
     """The wake-up channels one primary serves, on a connection of their own."""
 
-    def __init__(self, node: ClusterNode, wakeups: ClusterWakeups) -> None:
-        self.name: str = node.name
+    def __init__(self, name: str, wakeups: ClusterWakeups) -> None:
+        self.name = name
         self.channels: set[str] = set()
         self.failures = 0
         self._wakeups = wakeups
-        self._client = Redis(
-            connection_pool=ConnectionPool(
-                connection_class=node.connection_class, **node.connection_kwargs
-            )
-        )
-        self._pubsub: PubSub | None = None
+        self._subscriber = wakeups.topology.subscriber(name)
+        self._subscription: Subscription | None = None
         self._changed = asyncio.Event()
         self._task = asyncio.create_task(self._listen_forever())
 
@@ -64,26 +64,26 @@ class PrimaryListener:
         self.channels.add(channel)
         self._changed.set()
         # Not connected yet, or broken: the (re)build subscribes to what ``channels`` holds.
-        if self._pubsub is not None:
-            await self._quietly(self._pubsub.ssubscribe(channel))
+        if self._subscription is not None:
+            await self._quietly(self._subscription.subscribe(channel))
 
     async def remove(self, channel: str) -> None:
         self.channels.discard(channel)
-        if self._pubsub is not None:
-            await self._quietly(self._pubsub.sunsubscribe(channel))
+        if self._subscription is not None:
+            await self._quietly(self._subscription.unsubscribe(channel))
 
     async def _quietly(self, command: Awaitable[object]) -> None:
         """A failed command breaks the listener's read too, which rebuilds it. (No timeout:
         the command is only written, its reply comes to the reader, and cutting a write short
         would leave the connection mid-command.)"""
-        with contextlib.suppress(*REDIS_FAILURES):
+        with contextlib.suppress(RedisUnavailable):
             await command
 
     async def _listen_forever(self) -> None:
         while True:
             try:
                 await self._listen()
-            except REDIS_FAILURES as exc:
+            except RedisUnavailable as exc:
                 self._wakeups.degradation.failed(exc)
             self.failures += 1
             await asyncio.sleep(_backoff(self.failures - 1))
@@ -94,44 +94,42 @@ class PrimaryListener:
         while not self.channels:
             self._changed.clear()
             await self._changed.wait()
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        subscription = self._subscriber.subscription()
         try:
             subscribed: set[str] = set()
             # Channels that gained waiters while an SSUBSCRIBE was on its way go in the next
-            # one; no await between the last check and publishing ``_pubsub``, after which
-            # ``add`` subscribes by itself. (Each channel alone: a node rejects an SSUBSCRIBE
-            # whose channels span slots.)
+            # one; no await between the last check and publishing ``_subscription``, after
+            # which ``add`` subscribes by itself.
             while missing := self.channels - subscribed:
                 subscribed |= missing
-                for channel in missing:
-                    await pubsub.ssubscribe(channel)
-            self._pubsub = pubsub
+                await subscription.subscribe(*missing)
+            self._subscription = subscription
             self.failures = 0
             while True:
-                message = await pubsub.get_message(timeout=None)
-                if message is not None and message["type"] in ("smessage", b"smessage"):
-                    self._wakeups.wake_local(message["channel"].decode())
+                channel = await subscription.next_wakeup(timeout=None)
+                if channel is not None:
+                    self._wakeups.wake_local(channel)
         finally:
-            self._pubsub = None
-            with contextlib.suppress(*REDIS_FAILURES):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            self._subscription = None
+            with contextlib.suppress(RedisUnavailable):
+                await subscription.close()
 
     async def close(self) -> None:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        with contextlib.suppress(*REDIS_FAILURES):
-            await self._client.aclose()
+        with contextlib.suppress(RedisUnavailable):
+            await self._subscriber.close()
 
 
-class ClusterWakeups(RedisWakeups):
-    """``RedisWakeups`` on a cluster: sharded channels, a listener per primary."""
+class ClusterWakeups(PublishedWakeups):
+    """Wake-ups on a cluster: sharded channels, a listener per primary."""
 
     def __init__(
-        self, *, subscriber: RedisCluster, publisher: RedisCluster, timeout: float
+        self, *, publisher: RedisAdapter, topology: ClusterTopology, timeout: float
     ) -> None:
-        super().__init__(subscriber=subscriber, publisher=publisher, timeout=timeout)
-        self.cluster = subscriber
+        super().__init__(publisher=publisher, timeout=timeout)
+        self.topology = topology
         self.listeners: dict[str, PrimaryListener] = {}
         # Channels with waiters that no listener holds: the slot map is not known yet.
         self._unrouted: set[str] = set()
@@ -153,8 +151,8 @@ class ClusterWakeups(RedisWakeups):
     async def _refresh_slot_map(self) -> bool:
         try:
             async with asyncio.timeout(_SLOT_MAP_TIMEOUT):
-                await self.cluster.nodes_manager.initialize()
-        except REDIS_FAILURES as exc:
+                await self.topology.read_slot_map()
+        except (RedisUnavailable, TimeoutError) as exc:
             self.degradation.failed(exc)
             return False
         return True
@@ -168,19 +166,16 @@ class ClusterWakeups(RedisWakeups):
             return
         listener = self.listeners.get(name)
         if listener is None:
-            node = self.cluster.get_node(node_name=name)
-            assert node is not None
-            listener = self.listeners[name] = PrimaryListener(node, self)
+            listener = self.listeners[name] = PrimaryListener(name, self)
         await listener.add(channel)
 
     def _node_of(self, channel: str) -> str | None:
         """The primary serving ``channel``'s slot by the slot map, if any does."""
         try:
-            node = self.cluster.get_node_from_key(channel)
-        except REDIS_FAILURES as exc:  # a slot no known node serves: its waiters poll
+            return self.topology.primary_of(channel)
+        except RedisUnavailable as exc:  # a slot no known node serves: its waiters poll
             self.degradation.failed(exc)
             return None
-        return None if node is None else str(node.name)
 
     async def rehome(self, listener: PrimaryListener) -> None:
         """After ``listener`` broke: move its channels whose slots another primary serves now."""
@@ -200,10 +195,6 @@ class ClusterWakeups(RedisWakeups):
         for listener in self.listeners.values():
             if channel in listener.channels:
                 await listener.remove(channel)
-
-    async def _publish(self, channel: str) -> None:
-        assert isinstance(self.publisher, RedisCluster)
-        await self.publisher.spublish(channel, b"1")
 
     async def close(self) -> None:
         await super().close()

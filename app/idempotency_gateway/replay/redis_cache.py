@@ -17,9 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
-
-from redis.asyncio import Redis, RedisCluster
+from typing import TypeVar
 
 from idempotency_gateway.clock import Monotonic, lease_clock
 from idempotency_gateway.config import BreakerConfig
@@ -31,8 +29,8 @@ from idempotency_gateway.replay.cache import (
     decode,
     encode,
 )
-from idempotency_gateway.replay.redis_connection import RedisClient
-from idempotency_gateway.replay.redis_direct import DirectCommands
+from idempotency_gateway.replay.redis_adapter import RedisAdapter, RedisUnavailable
+from idempotency_gateway.replay.wakeups import channel_for
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry import tracing
@@ -49,24 +47,7 @@ CACHE_BREAKER = BreakerConfig(
 )
 
 
-# What a Redis call may raise when Redis is down, slow or killed mid-call: anything at all.
-# Redis never decides, so no failure of it may reach a client; and the client library's own
-# internals fail in ways no list keeps up with: uvloop's RuntimeError ("the handler is
-# closed") under a reconnect's HELLO, RedisClusterException (not a RedisError) for a slot no
-# live node covers, an AttributeError when a cluster node's connection is dropped mid-write by
-# a concurrent reconnect. Every one found by a fault run dropped a client's connection before
-# this caught them all. Cancellation is a BaseException and still passes; each failure is
-# logged with its type by the degradation log, so a real bug stays visible.
-REDIS_FAILURES: tuple[type[Exception], ...] = (Exception,)
-
-WAKEUP_CHANNEL_PREFIX = "idgw:w:"
-
 _cache_latency = Children(CACHE_LATENCY)
-
-
-def wakeup_channel(key: RecordKey) -> str:
-    """The pub/sub channel a key's waiters listen on; same hash tag as its cache entry."""
-    return cache_key(key, prefix=WAKEUP_CHANNEL_PREFIX)
 
 
 class _Failed:
@@ -81,7 +62,7 @@ class RedisCache:
 
     def __init__(
         self,
-        redis: RedisClient,
+        redis: RedisAdapter,
         *,
         timeout: float,
         max_entry_bytes: int,
@@ -94,8 +75,6 @@ class RedisCache:
         self.breaker = breaker or CircuitBreaker("redis-cache", CACHE_BREAKER)
         self.degradation = DegradationLog("Redis cache", fallback="serving from the durable store")
         self._monotonic = monotonic
-        # A single node is asked past redis-py's per-call layers; a cluster needs its routing.
-        self._direct = DirectCommands(redis) if isinstance(redis, Redis) else None
 
     @property
     def degraded(self) -> bool:
@@ -118,7 +97,8 @@ class RedisCache:
             async with asyncio.timeout(self.timeout):
                 result = await call()
             succeeded = True
-        except Exception as exc:  # any failure of the fast path is a miss, never a 500
+        # Redis failing is a miss, never a 500; any other exception is a bug, and is raised.
+        except (RedisUnavailable, TimeoutError) as exc:
             self.degradation.failed(exc)
             if span is not None:
                 span.fail(exc)
@@ -133,13 +113,8 @@ class RedisCache:
                 span.end()
         return result
 
-    async def _get(self, name: str) -> Any:
-        if self._direct is not None:
-            return (await self._direct.run(("GET", name)))[0]
-        return await self.redis.get(name)
-
     async def get(self, key: RecordKey) -> CachedAnswer | None:
-        raw = await self._guarded("get", lambda: self._get(cache_key(key)))
+        raw = await self._guarded("get", lambda: self.redis.get(cache_key(key)))
         if raw is FAILED:
             cache_lookups("error").inc()
             return None
@@ -162,24 +137,12 @@ class RedisCache:
             return False
         value = encode(answer)
         stored = await self._guarded(
-            "put", lambda: self._set_and_publish(answer.key, value, ttl_ms)
+            "put",
+            lambda: self.redis.set_and_publish(
+                cache_key(answer.key), value, ttl_ms=ttl_ms, channel=channel_for(answer.key)
+            ),
         )
         return stored is not FAILED
-
-    async def _set_and_publish(self, key: RecordKey, value: bytes, ttl_ms: int) -> None:
-        if self._direct is not None:
-            await self._direct.run(
-                ("SET", cache_key(key), value, "PX", ttl_ms),
-                ("PUBLISH", wakeup_channel(key), b"1"),
-            )
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(cache_key(key), value, px=ttl_ms)
-            if isinstance(self.redis, RedisCluster):
-                pipe.spublish(wakeup_channel(key), b"1")
-            else:
-                pipe.publish(wakeup_channel(key), b"1")
-            await pipe.execute()
 
     async def delete(self, key: RecordKey) -> bool:
         """False when Redis could not be asked: the caller decides whether that matters."""
@@ -198,33 +161,8 @@ class RedisCache:
         return await self._guarded("ping", self.redis.ping) is True
 
     async def health(self) -> str:
-        """``ok``, or ``degraded`` naming what does not answer: on a cluster, each primary
-        that does not answer a PING (asked directly, past the breaker, which an operator
-        looking at readiness wants to see through)."""
-        if not isinstance(self.redis, RedisCluster):
-            return "ok" if await self.ping() else "degraded"
-        cluster = self.redis
-        try:
-            async with asyncio.timeout(self.timeout):
-                await cluster.initialize()
-        except Exception:  # no seed answered: not one node can be named
-            return "degraded: no cluster node answers"
-        down = [
-            node.name
-            for node in cluster.get_primaries()
-            if not await self._node_answers(cluster, node.name)
-        ]
-        return f"degraded: {', '.join(sorted(down))} not answering" if down else "ok"
-
-    async def _node_answers(self, cluster: RedisCluster, name: str) -> bool:
-        node = cluster.get_node(node_name=name)
-        try:
-            async with asyncio.timeout(self.timeout):
-                return bool(await cluster.ping(target_nodes=node))
-        except Exception:
-            return False
+        """``ok``, or ``degraded`` saying what does not answer (on a cluster, each primary)."""
+        return await self.redis.health(ping=self.ping, ping_timeout=self.timeout)
 
     async def close(self) -> None:
-        if self._direct is not None:
-            await self._direct.close()
-        await self.redis.aclose()
+        await self.redis.close()

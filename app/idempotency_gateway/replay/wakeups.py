@@ -15,25 +15,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from redis.asyncio.client import PubSub
-
-from idempotency_gateway.replay.redis_cache import (
-    REDIS_FAILURES,
-    WAKEUP_CHANNEL_PREFIX,
-    wakeup_channel,
-)
-from idempotency_gateway.replay.redis_connection import RedisClient
+from idempotency_gateway.replay.cache import cache_key
+from idempotency_gateway.replay.redis_adapter import RedisUnavailable
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
+if TYPE_CHECKING:
+    from idempotency_gateway.replay.redis_adapter import RedisAdapter, Subscriber, Subscription
+
 log = logging.getLogger(__name__)
 
+WAKEUP_CHANNEL_PREFIX = "idgw:w:"
 # Subscribed for as long as the listener runs: redis-py needs one subscription to read at all.
 _KEEPALIVE_CHANNEL = WAKEUP_CHANNEL_PREFIX + "keepalive"
 _RECONNECT_PAUSE = 1.0
-channel_for = wakeup_channel
+
+
+def channel_for(key: RecordKey) -> str:
+    """The pub/sub channel a key's waiters listen on; same hash tag as its cache entry."""
+    return cache_key(key, prefix=WAKEUP_CHANNEL_PREFIX)
 
 
 class Wakeups(Protocol):
@@ -104,58 +106,18 @@ class LocalWakeups:
             event.set()
 
 
-class RedisWakeups(LocalWakeups):
-    """Local wake-ups plus Redis pub/sub on one node, subscribing only to keys this process
-    waits for."""
+class PublishedWakeups(LocalWakeups):
+    """Local wake-ups plus a publish on Redis for the waiters in other processes; how they
+    listen is up to the subclass (one node, or a cluster's primaries)."""
 
-    def __init__(self, *, subscriber: RedisClient, publisher: RedisClient, timeout: float) -> None:
+    def __init__(self, *, publisher: RedisAdapter, timeout: float) -> None:
         super().__init__()
-        # Two clients: the subscriber's reads block for long, the publisher's must be quick.
-        self.redis = subscriber
         self.publisher = publisher
         self.timeout = timeout
         self.degradation = DegradationLog(
             "Redis wake-ups", fallback="waiters poll the durable store"
         )
-        self._pubsub: PubSub | None = None
         self._listener: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self._listener = asyncio.create_task(self._listen_forever())
-
-    async def _listen_forever(self) -> None:
-        while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await self._listen(pubsub)
-            except REDIS_FAILURES as exc:
-                self.degradation.failed(exc)
-            finally:
-                self._pubsub = None
-                with contextlib.suppress(*REDIS_FAILURES):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(_RECONNECT_PAUSE)
-
-    async def _listen(self, pubsub: PubSub) -> None:
-        await pubsub.subscribe(_KEEPALIVE_CHANNEL)
-        # Channels that gained waiters while Redis was away.
-        if self._waiters:
-            await pubsub.subscribe(*self._waiters)
-        self._pubsub = pubsub
-        while True:
-            message = await pubsub.get_message(timeout=1.0)
-            if message is not None and message["type"] == "message":
-                self.wake_local(message["channel"].decode())
-
-    async def _first_waiter_joined(self, channel: str) -> None:
-        if self._waiters[channel] == 1 and self._pubsub is not None:
-            with contextlib.suppress(*REDIS_FAILURES):
-                await self._pubsub.subscribe(channel)
-
-    async def _last_waiter_left(self, channel: str) -> None:
-        if self._pubsub is not None:
-            with contextlib.suppress(*REDIS_FAILURES):
-                await self._pubsub.unsubscribe(channel)
 
     async def notify(self, key: RecordKey, *, published: bool = False) -> None:
         channel = channel_for(key)
@@ -164,12 +126,9 @@ class RedisWakeups(LocalWakeups):
             return
         try:
             async with asyncio.timeout(self.timeout):
-                await self._publish(channel)
-        except REDIS_FAILURES as exc:
+                await self.publisher.publish(channel)
+        except (RedisUnavailable, TimeoutError) as exc:
             self.degradation.failed(exc)
-
-    async def _publish(self, channel: str) -> None:
-        await self.publisher.publish(channel, b"1")
 
     async def close(self) -> None:
         await super().close()
@@ -177,3 +136,51 @@ class RedisWakeups(LocalWakeups):
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
+
+
+class RedisWakeups(PublishedWakeups):
+    """Wake-ups on one Redis node: one pub/sub connection, subscribed only to the keys this
+    process waits for."""
+
+    def __init__(self, *, publisher: RedisAdapter, subscriber: Subscriber, timeout: float) -> None:
+        super().__init__(publisher=publisher, timeout=timeout)
+        # Its own connection: the subscriber's reads block for long, the publisher's are quick.
+        self.subscriber = subscriber
+        self._subscription: Subscription | None = None
+
+    async def start(self) -> None:
+        self._listener = asyncio.create_task(self._listen_forever())
+
+    async def _listen_forever(self) -> None:
+        while True:
+            subscription = self.subscriber.subscription()
+            try:
+                await self._listen(subscription)
+            except RedisUnavailable as exc:
+                self.degradation.failed(exc)
+            finally:
+                self._subscription = None
+                with contextlib.suppress(RedisUnavailable):
+                    await subscription.close()
+            await asyncio.sleep(_RECONNECT_PAUSE)
+
+    async def _listen(self, subscription: Subscription) -> None:
+        await subscription.subscribe(_KEEPALIVE_CHANNEL)
+        # Channels that gained waiters while Redis was away.
+        if self._waiters:
+            await subscription.subscribe(*self._waiters)
+        self._subscription = subscription
+        while True:
+            channel = await subscription.next_wakeup(timeout=1.0)
+            if channel is not None:
+                self.wake_local(channel)
+
+    async def _first_waiter_joined(self, channel: str) -> None:
+        if self._waiters[channel] == 1 and self._subscription is not None:
+            with contextlib.suppress(RedisUnavailable):
+                await self._subscription.subscribe(channel)
+
+    async def _last_waiter_left(self, channel: str) -> None:
+        if self._subscription is not None:
+            with contextlib.suppress(RedisUnavailable):
+                await self._subscription.unsubscribe(channel)

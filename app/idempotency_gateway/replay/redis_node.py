@@ -1,0 +1,61 @@
+"""``RedisAdapter`` on a single Redis node.
+
+A replay's GET and an answer's SET + PUBLISH go on connections of the client's own pool,
+past redis-py's per-call layers (``redis_direct``); everything else through the client.
+Wake-ups listen on one pub/sub connection of a client of their own, whose reads block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from redis.asyncio import Redis
+
+from idempotency_gateway.replay.redis_connection import (
+    CommandClient,
+    NodeSubscriber,
+    node_client,
+    redis_failures,
+)
+from idempotency_gateway.replay.redis_direct import DirectCommands
+from idempotency_gateway.replay.wakeups import RedisWakeups
+
+
+class NodeRedis(CommandClient):
+    def __init__(self, commands: Redis, subscriber: Redis) -> None:
+        super().__init__(commands)
+        self._client: Redis = commands
+        self._direct = DirectCommands(commands)
+        self._subscriber = NodeSubscriber(subscriber, sharded=False)
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout: float | None, connect_timeout: float) -> NodeRedis:
+        return cls(
+            node_client(url, timeout=timeout, connect_timeout=connect_timeout),
+            node_client(url, timeout=None, connect_timeout=connect_timeout),
+        )
+
+    async def get(self, name: str) -> object:
+        with redis_failures():
+            return (await self._direct.run(("GET", name)))[0]
+
+    async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
+        with redis_failures():
+            await self._direct.run(("SET", name, value, "PX", ttl_ms), ("PUBLISH", channel, b"1"))
+
+    async def publish(self, channel: str) -> None:
+        with redis_failures():
+            await self._client.publish(channel, b"1")
+
+    async def health(self, *, ping: Callable[[], Awaitable[bool]], ping_timeout: float) -> str:
+        # One node: the cache's own PING, so readiness agrees with what requests see.
+        return "ok" if await ping() else "degraded"
+
+    def wakeups(self, *, timeout: float) -> RedisWakeups:
+        return RedisWakeups(publisher=self, subscriber=self._subscriber, timeout=timeout)
+
+    async def close(self) -> None:
+        await self._direct.close()
+        with redis_failures():
+            await self._client.aclose()
+        await self._subscriber.close()
