@@ -23,6 +23,12 @@ from idempotency_gateway.config import (
     load_config,
     single_upstream_config,
 )
+from idempotency_gateway.extras import (
+    MissingExtra,
+    require_database_driver,
+    require_redis,
+    require_server,
+)
 from idempotency_gateway.routing import check_routes
 from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare_metrics_directory
 from idempotency_gateway.telemetry.startup import log_startup
@@ -97,6 +103,7 @@ def _checked(config: GatewayConfig, *, source: str) -> GatewayConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    require_server()
     settings = environment_settings()
     config = _resolve_config(args, settings)
     metrics_directory = None
@@ -124,6 +131,9 @@ def _run_server(
 
     database_url = database_url_or_default(settings.database_url)
     # Refuse here, with a clear message, rather than in every worker.
+    require_database_driver(database_url)
+    if settings.redis_url is not None:
+        require_redis()
     check_admin_token(settings.admin_token)
     resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
@@ -182,6 +192,7 @@ async def _database_error(url: str) -> str | None:
     from idempotency_gateway.errors import StoreUnavailable
     from idempotency_gateway.storage.base import RecordStore
 
+    require_database_driver(url)
     store = RecordStore.from_url(url, StoreConfig())
     try:
         await store.ping()
@@ -198,9 +209,9 @@ def _sweep(args: argparse.Namespace) -> int:
     from idempotency_gateway.storage.base import RecordStore
 
     async def sweep_all() -> int | None:
-        store = RecordStore.from_url(
-            database_url_or_default(environment_settings().database_url), StoreConfig()
-        )
+        url = database_url_or_default(environment_settings().database_url)
+        require_database_driver(url)
+        store = RecordStore.from_url(url, StoreConfig())
         try:
             return await store.sweep(batch_size=args.batch_size)
         finally:
@@ -230,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "demo":
+            require_server()
             from idempotency_gateway.demo.run import run_demo
 
             return run_demo(port=args.port, upstream_port=args.upstream_port)
@@ -242,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: invalid configuration in {exc.source}:", file=sys.stderr)
         for line in exc.errors:
             print(f"  - {line}", file=sys.stderr)
+        return 2
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
-from redis.asyncio import RedisCluster
 
 from idempotency_gateway.asgi import Receive, Scope, Send
 from idempotency_gateway.clock import utc_now
@@ -35,6 +34,7 @@ from idempotency_gateway.config import (
     validate_config,
 )
 from idempotency_gateway.drain import DrainState
+from idempotency_gateway.extras import require_database_driver, require_redis
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
 from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
@@ -47,9 +47,7 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
-from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
 from idempotency_gateway.replay.redis_cache import RedisCache
-from idempotency_gateway.replay.redis_connection import connect_redis
 from idempotency_gateway.replay.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.resilience.bulkhead import publish_every
@@ -87,6 +85,13 @@ def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCach
     """Redis when configured (shared by every gateway process), else in-process."""
     if redis_url is None:
         return InProcessCache.sized_by(config), LocalWakeups()
+    require_redis()
+    # Imported here: a gateway without a Redis URL runs without the [redis] extra.
+    from redis.asyncio import RedisCluster
+
+    from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
+    from idempotency_gateway.replay.redis_connection import connect_redis
+
     publisher = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
     subscriber = connect_redis(redis_url, timeout=None, connect_timeout=config.timeout)
     cache = RedisCache(publisher, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
@@ -155,6 +160,7 @@ class Gateway:
         secret = resolve_scope_secret(scope_secret, self.database_url)
         check_admin_token(admin_token)
         self.admin_port = admin_port
+        require_database_driver(self.database_url)
         self.store = RecordStore.from_url(self.database_url, config.store)
         self.cache, self.wakeups = replay_layer(config.cache, redis_url)
         self.clients = {

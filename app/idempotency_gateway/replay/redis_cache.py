@@ -17,9 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
-
-from redis.asyncio import Redis, RedisCluster
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from idempotency_gateway.clock import Monotonic, lease_clock
 from idempotency_gateway.config import BreakerConfig
@@ -31,13 +29,16 @@ from idempotency_gateway.replay.cache import (
     decode,
     encode,
 )
-from idempotency_gateway.replay.redis_connection import RedisClient
-from idempotency_gateway.replay.redis_direct import DirectCommands
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, Children
+
+if TYPE_CHECKING:
+    from redis.asyncio import RedisCluster
+
+    from idempotency_gateway.replay.redis_connection import RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,12 @@ class RedisCache:
         self.breaker = breaker or CircuitBreaker("redis-cache", CACHE_BREAKER)
         self.degradation = DegradationLog("Redis cache", fallback="serving from the durable store")
         self._monotonic = monotonic
+        # Imported here: users of the in-process cache need no redis (the [redis] extra).
+        from redis.asyncio import Redis, RedisCluster
+
+        from idempotency_gateway.replay.redis_direct import DirectCommands
+
+        self._on_cluster = isinstance(redis, RedisCluster)
         # A single node is asked past redis-py's per-call layers; a cluster needs its routing.
         self._direct = DirectCommands(redis) if isinstance(redis, Redis) else None
 
@@ -175,7 +182,7 @@ class RedisCache:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(cache_key(key), value, px=ttl_ms)
-            if isinstance(self.redis, RedisCluster):
+            if self._on_cluster:
                 pipe.spublish(wakeup_channel(key), b"1")
             else:
                 pipe.publish(wakeup_channel(key), b"1")
@@ -201,6 +208,8 @@ class RedisCache:
         """``ok``, or ``degraded`` naming what does not answer: on a cluster, each primary
         that does not answer a PING (asked directly, past the breaker, which an operator
         looking at readiness wants to see through)."""
+        from redis.asyncio import RedisCluster
+
         if not isinstance(self.redis, RedisCluster):
             return "ok" if await self.ping() else "degraded"
         cluster = self.redis

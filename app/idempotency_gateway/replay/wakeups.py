@@ -15,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Protocol
-
-from redis.asyncio.client import PubSub
+from typing import TYPE_CHECKING, Protocol
 
 from idempotency_gateway.replay.redis_cache import (
     REDIS_FAILURES,
     WAKEUP_CHANNEL_PREFIX,
     wakeup_channel,
 )
-from idempotency_gateway.replay.redis_connection import RedisClient
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
+
+if TYPE_CHECKING:
+    from redis.asyncio.client import PubSub
+
+    from idempotency_gateway.replay.redis_connection import RedisClient
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ from datetime import UTC, datetime
 from enum import Enum, auto
 from typing import Any, Protocol
 
-import asyncpg
 from sqlalchemy import (
     ColumnElement,
     Delete,
@@ -233,19 +232,30 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         cursor.close()
 
 
-# Every error a driver or pool can raise for a store that is down, slow or misbehaving.
-_DRIVER_ERRORS = (
-    SQLAlchemyError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    # asyncpg's protocol in a state it did not expect: a connection the server ended while
-    # it sat idle in the pool (a failover, an operator's pg_terminate_backend), or one that
-    # broke mid-statement. A store error like any other, not a crash.
-    asyncpg.InternalClientError,
-    sqlite3.Error,
-    OSError,
-    TimeoutError,
-)
+def _driver_errors() -> tuple[type[BaseException], ...]:
+    """Every error a driver or pool can raise for a store that is down, slow or misbehaving."""
+    errors: tuple[type[BaseException], ...] = (
+        SQLAlchemyError,
+        sqlite3.Error,
+        OSError,
+        TimeoutError,
+    )
+    try:
+        import asyncpg
+    except ModuleNotFoundError:  # no [postgres] extra: no asyncpg error can be raised
+        return errors
+    return (
+        *errors,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        # asyncpg's protocol in a state it did not expect: a connection the server ended while
+        # it sat idle in the pool (a failover, an operator's pg_terminate_backend), or one that
+        # broke mid-statement. A store error like any other, not a crash.
+        asyncpg.InternalClientError,
+    )
+
+
+_DRIVER_ERRORS = _driver_errors()
 
 
 _store_errors = Children(STORE_ERRORS)
