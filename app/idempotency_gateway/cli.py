@@ -123,9 +123,9 @@ def _serve(args: argparse.Namespace) -> int:
 def _run_server(
     args: argparse.Namespace, settings: EnvSettings, config: GatewayConfig, drain_marker: Path
 ) -> int:
+    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
-    from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
 
@@ -169,7 +169,7 @@ def _run_server(
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from idempotency_gateway.main import database_url_or_default
+    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
 
     url = database_url_or_default(environment_settings().database_url)
@@ -204,8 +204,8 @@ async def _database_error(url: str) -> str | None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.errors import StoreUnavailable
-    from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.storage.base import RecordStore
 
     async def sweep_all() -> int | None:

@@ -25,6 +25,12 @@ _ASYNC_DRIVERS = (
     ("sqlite://", "sqlite+aiosqlite://"),
 )
 _DEFAULT_PORT = "5432"
+# The store when no database URL is given: a file in the working directory, migrated at start.
+EMBEDDED_DATABASE_URL = "sqlite+aiosqlite:///idempotency-gateway.db"
+
+
+def database_url_or_default(url: str | None) -> str:
+    return url or EMBEDDED_DATABASE_URL
 
 
 def _with_async_driver(url: str) -> str:

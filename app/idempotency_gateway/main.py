@@ -33,6 +33,7 @@ from idempotency_gateway.config import (
     load_config,
     validate_config,
 )
+from idempotency_gateway.database_url import database_url_or_default
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.extras import require_database_driver, require_redis
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
@@ -72,13 +73,8 @@ log = logging.getLogger(__name__)
 
 # The CLI hands its resolved config to worker processes through this variable.
 RESOLVED_CONFIG_ENV = "GATEWAY_RESOLVED_CONFIG"
-EMBEDDED_DATABASE_URL = "sqlite+aiosqlite:///idempotency-gateway.db"
 # How long shutdown waits for in-flight executions to finish and finalize.
 DRAIN_TIMEOUT = 30.0
-
-
-def database_url_or_default(url: str | None) -> str:
-    return url or EMBEDDED_DATABASE_URL
 
 
 def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCache, Wakeups]:
@@ -123,7 +119,7 @@ class Gateway:
     Arguments:
         config: the validated config file (``load_config``/``validate_config``).
         database_url: the record store; ``None`` is the embedded SQLite file
-            (``EMBEDDED_DATABASE_URL``), migrated at startup.
+            (``database_url.EMBEDDED_DATABASE_URL``), migrated at startup.
         redis_url: the shared replay cache and wake-ups; ``None`` keeps both in-process
             (then admin deletes reach other workers through ``CacheInvalidations``).
         admin_port: the local port whose connections get the admin app instead of the proxy.
