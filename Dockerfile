@@ -24,8 +24,13 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY app/ app/
 COPY migrations/ migrations/
+# The extras the standalone gateway runs with: the server (uvicorn, FastAPI for the admin
+# API), both PostgreSQL and Redis (picked at run time by GATEWAY_DATABASE_URL and
+# GATEWAY_REDIS_URL). Not [all]: the client helper's httpx is never imported by the gateway,
+# and tracing stays out of the image, as it is off by default.
 RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /tmp/dist . \
-    && /opt/venv/bin/pip install /tmp/dist/*.whl \
+    && wheel="$(echo /tmp/dist/*.whl)" \
+    && /opt/venv/bin/pip install "${wheel}[server,postgres,redis]" \
     && /opt/venv/bin/idempotency-gateway --help >/dev/null
 
 FROM ${PYTHON_IMAGE}

@@ -4,7 +4,7 @@
 log() { printf '==> %s\n' "$*" >&2; }
 die() { printf '%s: %s\n' "$(basename "$0")" "$*" >&2; exit 1; }
 
-# ensure_venv SPEC: create .venv when missing, then install SPEC ('.' or '.[dev]') into it.
+# ensure_venv SPEC: create .venv when missing, then install SPEC ('.[server]' or '.[dev]') into it.
 ensure_venv() {
     local spec=$1
     # Check for the interpreter, not the directory: a failed `venv` leaves a husk behind.

@@ -3,8 +3,9 @@
 ``idempotency_key`` derives one stable key from business ids. ``IdempotentClient`` sends the same
 key on every attempt, waits out a 409 until the first request's answer is replayed, honours
 ``Retry-After``, stops at its overall deadline, stops at once on answers a retry cannot change
-(400, 422, any replayed answer), retries a request that never left, and never resends an unkeyed
-POST that may have executed. Pauses go through a fake ``sleep`` on a hand-moved clock, so the
+(400, 422, any replayed answer, under either marker name the gateway may be set to, or only the
+one it is told), retries a request that never left, and never resends an unkeyed POST that may
+have executed. Pauses go through a fake ``sleep`` on a hand-moved clock, so the
 test records them instead of waiting; the gateway does not retry by itself here
 (``max_attempts: 1``), so every extra upstream execution is the client's doing.
 """
@@ -18,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from idempotency_gateway.client import IdempotentClient, idempotency_key
+from idempotency_gateway.client import IETF_REPLAY_HEADER, IdempotentClient, idempotency_key
+from idempotency_gateway.config import DEFAULT_REPLAY_HEADER
 from tests.support import RecordingUpstream, free_port
 from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.clock import ManualClock
@@ -74,12 +76,17 @@ def test_idempotency_key_is_never_empty_and_always_a_valid_header_value() -> Non
 
 
 @pytest.fixture
-async def gateway(upstream: RecordingUpstream, postgres_url: str) -> AsyncIterator[RunningGateway]:
-    """Key optional on ``/``; no retries inside the gateway."""
+async def gateway(
+    upstream: RecordingUpstream, postgres_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[RunningGateway]:
+    """Key optional on ``/``; no retries inside the gateway. Parametrized indirectly, the
+    parameter is the gateway's ``replay_header``."""
+    marker = getattr(request, "param", DEFAULT_REPLAY_HEADER)
     config = gateway_config(
         upstream.url,
         upstreams={PRIMARY: {"url": upstream.url, "retry": {"max_attempts": 1}}},
         routes=[route("/")],
+        replay_header=marker,
     )
     async with GatewayLauncher() as launcher:
         yield await launcher.start(config, database_url=postgres_url)
@@ -208,6 +215,12 @@ async def test_malformed_key_is_400_at_once(
     assert upstream.total == 0
 
 
+MARKERS = pytest.mark.parametrize(
+    "gateway", [DEFAULT_REPLAY_HEADER, IETF_REPLAY_HEADER], ids=["stripe", "ietf"], indirect=True
+)
+
+
+@MARKERS
 async def test_a_replayed_answer_is_final_even_with_a_retryable_status(
     make_client: MakeClient,
     gateway: RunningGateway,
@@ -220,12 +233,40 @@ async def test_a_replayed_answer_is_final_even_with_a_retryable_status(
     stored = await charge_past_the_helper(gateway, key, behavior="status=500")
     assert stored.status_code == 500
 
+    # No replay_header given: the helper knows both names the gateway may mark a replay with.
     response = await make_client().post(CHARGES, key=key, json=CHARGE)
 
     # The gateway will replay this 500 forever: retrying only adds load and delay.
     assert response.status_code == 500
-    assert response.headers["idempotent-replayed"] == "true"
+    assert response.headers[gateway.app.config.replay_header] == "true"
     assert_sent_once_without_a_pause(sent, clock)
+    assert upstream.count(key) == 1
+
+
+@pytest.mark.parametrize("gateway", [IETF_REPLAY_HEADER], ids=["ietf"], indirect=True)
+async def test_a_named_replay_header_is_the_only_marker_recognized(
+    make_client: MakeClient,
+    gateway: RunningGateway,
+    upstream: RecordingUpstream,
+    clock: ManualClock,
+    sent: list[httpx.Request],
+    unique: Callable[[str], str],
+) -> None:
+    key = unique("named-marker")
+    assert (await charge_past_the_helper(gateway, key, behavior="status=500")).status_code == 500
+
+    told = await make_client(replay_header=IETF_REPLAY_HEADER).post(CHARGES, key=key, json=CHARGE)
+    assert told.status_code == 500
+    assert_sent_once_without_a_pause(sent, clock)
+
+    # Told Stripe's name, the helper sees no replay in the IETF marker: a 500 to retry.
+    misled = make_client(replay_header=DEFAULT_REPLAY_HEADER, max_attempts=3)
+    answer = await misled.post(CHARGES, key=key, json=CHARGE)
+
+    assert answer.status_code == 500
+    assert answer.headers[IETF_REPLAY_HEADER] == "true"
+    assert len(sent) == 1 + 3
+    assert len(clock.sleeps) == 2
     assert upstream.count(key) == 1
 
 

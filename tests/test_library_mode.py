@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -23,6 +25,7 @@ from idempotency_gateway.storage.records import RecordKey
 from tests.support import serve_asgi
 from tests.support.clock import ManualClock
 from tests.support.problems import assert_problem
+from tests.support.servers import PROJECT_ROOT
 
 CHARGE = {"amount": 1250, "currency": "eur"}
 SCOPE_SECRET = "a long random secret of this deployment"
@@ -266,3 +269,28 @@ async def test_policy_mapping_protects_only_its_prefix(
     assert all("idempotent-replayed" not in refund.headers for refund in refunds)
     assert_problem(keyless_charge, 400, "idempotency-key-missing")
     assert len(api.executions) == 2
+
+
+def test_the_library_loads_no_server_redis_or_client_package() -> None:
+    """What the base install leaves out is never imported by the middleware's path, so that
+    path runs without those extras (tests/test_package.py runs it on the base install alone;
+    asyncpg is imported when present, for its error classes)."""
+    program = (
+        "import sys\n"
+        "from idempotency_gateway import (IdempotencyMiddleware, InProcessCache, RecordStore,\n"
+        "    RedisCache, idempotency_lifespan, idempotent, upgrade_to_head)\n"
+        "extras = ('redis', 'uvicorn', 'uvloop', 'httptools', 'fastapi', 'httpx', 'aiohttp')\n"
+        "print(sorted(name for name in extras if name in sys.modules))\n"
+    )
+
+    loaded = subprocess.run(
+        [sys.executable, "-c", program],
+        # The checkout's own package, however the test run put it on the path.
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+    assert loaded.stdout.strip() == "[]"

@@ -1,17 +1,21 @@
-"""The package as users get it: a plain ``pip install .`` into a fresh virtualenv.
+"""The package as users get it: its wheel installed into fresh virtualenvs, one per install.
 
-The installed CLI prints its version, migrates an SQLite file and serves one request through
-to an upstream; the README's library example runs from the install; the client helper says
-which extra it needs until ``[client]`` is installed; and a user project with its own ``app``
-package imports ``idempotency_gateway`` (the import name never collides with it); and
-without redis-py the gateway and the library run on the in-process cache and wake-ups.
-Installing resolves dependencies from PyPI or pip's cache, so this takes a minute.
+The base install (no extras) is the library: the middleware replays on SQLite, the CLI
+migrates, and none of the extras' packages is there; what needs one says which, in one line,
+and exits 2. With ``[server]`` the installed CLI serves a request through to an upstream and
+the README's library example runs; the client helper says which extra it needs until
+``[client]`` is installed; and a user project with its own ``app`` package imports
+``idempotency_gateway`` (the import name never collides with it); and without redis-py
+the gateway and the library run on the in-process cache and wake-ups.
+Installing resolves dependencies from PyPI or pip's cache, so this takes a minute or two.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import shutil
 import subprocess
 import sys
 import venv
@@ -73,25 +77,114 @@ class Installed:
         run(self.python, "-m", "pip", "install", "--quiet", requirement, cwd=self.root)
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    root = tmp_path_factory.mktemp("installed")
+def install(root: Path, requirement: str) -> Installed:
     # Outside the checkout: nothing may be imported from the source tree by accident.
     venv.create(root / "venv", with_pip=True)
     package = Installed(root)
-    package.pip_install(str(PROJECT_ROOT))
+    package.pip_install(requirement)
     return package
 
 
-def test_the_installed_cli_prints_its_version_and_migrates_sqlite(installed: Installed) -> None:
-    version = run(installed.bin / "idempotency-gateway", "--version", cwd=installed.root)
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", dist,
+        PROJECT_ROOT, cwd=dist)  # fmt: skip
+    (built,) = dist.glob("*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def base_install(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Installed:
+    return install(tmp_path_factory.mktemp("base"), str(wheel))
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Installed:
+    """The standalone gateway's install: the base and ``[server]``."""
+    return install(tmp_path_factory.mktemp("server"), f"{wheel}[server]")
+
+
+def refusal(installed: Installed, *argv: str, env: dict[str, str] | None = None) -> str:
+    """What the installed CLI prints when it refuses with exit 2; that it is one line."""
+    result = subprocess.run(
+        [installed.bin / "idempotency-gateway", *argv],
+        cwd=installed.root,
+        env={"PATH": str(installed.bin), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    return result.stderr
+
+
+def test_the_base_install_has_none_of_the_extras(base_install: Installed) -> None:
+    probe = (
+        "import importlib.util\n"
+        "for name in ('asyncpg', 'redis', 'uvicorn', 'fastapi', 'uvloop', 'httptools'):\n"
+        "    print(name, importlib.util.find_spec(name) is not None)\n"
+    )
+    found = run(base_install.python, "-c", probe, cwd=base_install.root).split()
+    assert found == [
+        *("asyncpg", "False", "redis", "False", "uvicorn", "False"),
+        *("fastapi", "False", "uvloop", "False", "httptools", "False"),
+    ]
+
+
+def test_the_middleware_replays_on_sqlite_from_the_base_install(base_install: Installed) -> None:
+    program = base_install.root / "base_install_app.py"
+    shutil.copyfile(PROJECT_ROOT / "tests" / "support" / "base_install_app.py", program)
+
+    output = run(base_install.python, program, base_install.root / "library.db",
+                 cwd=base_install.root)  # fmt: skip
+
+    result = json.loads(output)
+    first, retry = result["answers"]
+    assert (first["status"], first["replayed"]) == (201, None)
+    assert (retry["status"], retry["replayed"]) == (201, "true")
+    assert retry["body"] == first["body"]
+    assert result["executions"] == 1
+
+
+def test_the_base_cli_prints_its_version_and_migrates_sqlite(base_install: Installed) -> None:
+    cli = base_install.bin / "idempotency-gateway"
+    version = run(cli, "--version", cwd=base_install.root)
     assert version.strip() == f"idempotency-gateway {idempotency_gateway.__version__}"
 
-    database = installed.root / "migrated.db"
-    env = {"PATH": str(installed.bin), "GATEWAY_DATABASE_URL": f"sqlite:///{database}"}
-    output = run(installed.bin / "idempotency-gateway", "migrate", cwd=installed.root, env=env)
+    database = base_install.root / "migrated.db"
+    env = {"PATH": str(base_install.bin), "GATEWAY_DATABASE_URL": f"sqlite:///{database}"}
+    output = run(cli, "migrate", cwd=base_install.root, env=env)
     assert "newest migration" in output
     assert database.stat().st_size > 0
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_the_base_cli_names_the_server_extra(base_install: Installed, command: str) -> None:
+    argv = [command, "--upstream", "http://127.0.0.1:9"] if command == "serve" else [command]
+
+    message = refusal(base_install, *argv)
+
+    assert message.startswith("error: the standalone gateway needs the [server] extra")
+    assert "pip install 'idempotency-gateway[server]'" in message
+
+
+def test_a_postgresql_url_without_its_extra_is_named(base_install: Installed) -> None:
+    env = {"GATEWAY_DATABASE_URL": "postgresql://gateway@127.0.0.1:9/gateway"}
+
+    message = refusal(base_install, "migrate", env=env)
+
+    assert "pip install 'idempotency-gateway[postgres]'" in message
+
+
+def test_a_redis_url_without_its_extra_is_named(installed: Installed) -> None:
+    env = {"GATEWAY_REDIS_URL": "redis://127.0.0.1:9/0"}
+
+    message = refusal(installed, "serve", "--upstream", "http://127.0.0.1:9", env=env)
+
+    assert "pip install 'idempotency-gateway[redis]'" in message
 
 
 async def test_the_installed_cli_serves_a_request_to_an_upstream(
@@ -150,7 +243,9 @@ async def test_the_readme_library_example_runs_from_the_install(readme_app: str)
     assert retry.content == first.content
 
 
-def test_the_client_helper_names_its_extra_until_it_is_installed(installed: Installed) -> None:
+def test_the_client_helper_names_its_extra_until_it_is_installed(
+    installed: Installed, wheel: Path
+) -> None:
     probe = "from idempotency_gateway import IdempotentClient; print(IdempotentClient.__name__)"
     missing = subprocess.run(
         [installed.python, "-c", probe],
@@ -164,7 +259,7 @@ def test_the_client_helper_names_its_extra_until_it_is_installed(installed: Inst
     assert "ImportError" in missing.stderr
     assert "idempotency-gateway[client]" in missing.stderr
 
-    installed.pip_install(f"{PROJECT_ROOT}[client]")
+    installed.pip_install(f"{wheel}[client]")
 
     assert run(installed.python, "-c", probe, cwd=installed.root).strip() == "IdempotentClient"
 

@@ -1,11 +1,11 @@
 """Every private part of uvicorn the gateway builds on, named in one place.
 
 ``server/`` subclasses uvicorn's httptools protocol and reads its request cycle; ``serve.py``
-subclasses its multiprocess supervisor. None of that is uvicorn's public API, so
-``pyproject.toml`` pins the versions it was checked on (0.51 is the first whose ``Multiprocess``
-takes ``(config, sockets)`` and whose workers report being ready; 0.50 fails with a
-``TypeError``). An upgrade that drops or reshapes any of these fails here, in CI, instead of in
-``serve``.
+subclasses its multiprocess supervisor. None of that is uvicorn's public API, so the
+``[server]`` extra in ``pyproject.toml`` pins the versions it was checked on (0.51 is the first
+whose ``Multiprocess`` takes ``(config, sockets)`` and whose workers report being ready; 0.50
+fails with a ``TypeError``). An upgrade that drops or reshapes any of these fails here, in CI,
+instead of in ``serve``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def _parameters(function: Any) -> list[str]:
 
 
 def _pinned_uvicorn() -> Requirement:
-    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
-    return next(r for r in map(Requirement, dependencies) if r.name == "uvicorn")
+    # The standalone gateway's extra: the middleware alone runs under any server.
+    server = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]["server"]
+    return next(r for r in map(Requirement, server) if r.name == "uvicorn")
 
 
 def test_the_installed_uvicorn_is_in_the_pinned_range() -> None:

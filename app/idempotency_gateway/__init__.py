@@ -3,8 +3,9 @@
     from idempotency_gateway import IdempotencyMiddleware, IdempotencyConfig, open_store
 
 Names are imported on first use (PEP 562): ``import idempotency_gateway`` stays cheap, the
-CLI can prepare multiprocess metrics before prometheus_client loads, and the client helper's
-httpx is needed only by those who use it (``pip install 'idempotency-gateway[client]'``).
+CLI can prepare multiprocess metrics before prometheus_client loads, and each name needs only
+the extra of what it uses: ``RedisCache`` and ``connect_redis`` ``[redis]``, the client
+helper's httpx ``[client]``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     )
     from idempotency_gateway.errors import GatewayError
     from idempotency_gateway.execution import Execution, Outcome
+    from idempotency_gateway.extras import MissingExtra
     from idempotency_gateway.idempotency.endpoints import idempotent
     from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
     from idempotency_gateway.migrate import upgrade_to_head
@@ -59,6 +61,7 @@ _HOMES = {
     "GatewayError": "idempotency_gateway.errors",
     "Execution": "idempotency_gateway.execution",
     "Outcome": "idempotency_gateway.execution",
+    "MissingExtra": "idempotency_gateway.extras",
     "SweeperConfig": "idempotency_gateway.config",
     "idempotent": "idempotency_gateway.idempotency.endpoints",
     "idempotency_lifespan": "idempotency_gateway.operations.lifespan",
@@ -77,6 +80,7 @@ __all__ = [
     "IdempotentClient",
     "InProcessCache",
     "KeyPolicy",
+    "MissingExtra",
     "OnAmbiguous",
     "Outcome",
     "OutcomeConfig",

@@ -23,6 +23,12 @@ from idempotency_gateway.config import (
     load_config,
     single_upstream_config,
 )
+from idempotency_gateway.extras import (
+    MissingExtra,
+    require_database_driver,
+    require_redis,
+    require_server,
+)
 from idempotency_gateway.routing import check_routes
 from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare_metrics_directory
 from idempotency_gateway.telemetry.startup import log_startup
@@ -97,6 +103,7 @@ def _checked(config: GatewayConfig, *, source: str) -> GatewayConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    require_server()
     settings = environment_settings()
     config = _resolve_config(args, settings)
     metrics_directory = None
@@ -116,14 +123,17 @@ def _serve(args: argparse.Namespace) -> int:
 def _run_server(
     args: argparse.Namespace, settings: EnvSettings, config: GatewayConfig, drain_marker: Path
 ) -> int:
+    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
-    from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
 
     database_url = database_url_or_default(settings.database_url)
     # Refuse here, with a clear message, rather than in every worker.
+    require_database_driver(database_url)
+    if settings.redis_url is not None:
+        require_redis()
     check_admin_token(settings.admin_token)
     resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
@@ -159,7 +169,7 @@ def _run_server(
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from idempotency_gateway.main import database_url_or_default
+    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
 
     url = database_url_or_default(environment_settings().database_url)
@@ -193,14 +203,13 @@ async def _database_error(url: str) -> str | None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.errors import StoreUnavailable
-    from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.storage import open_store
 
     async def sweep_all() -> int | None:
-        store = open_store(
-            database_url_or_default(environment_settings().database_url), StoreConfig()
-        )
+        url = database_url_or_default(environment_settings().database_url)
+        store = open_store(url, StoreConfig())
         try:
             return await store.sweep(batch_size=args.batch_size)
         finally:
@@ -230,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "demo":
+            require_server()
             from idempotency_gateway.demo.run import run_demo
 
             return run_demo(port=args.port, upstream_port=args.upstream_port)
@@ -242,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: invalid configuration in {exc.source}:", file=sys.stderr)
         for line in exc.errors:
             print(f"  - {line}", file=sys.stderr)
+        return 2
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -6,7 +6,10 @@
 
 The key comes from business ids, never from the time or the attempt number: a retry with a new
 key is a new charge. Retries use the gateway's own full-jitter math, honour ``Retry-After``,
-stop at an overall deadline, and stop at once on answers a retry cannot change (400, 422, ...).
+stop at an overall deadline, and stop at once on answers a retry cannot change (400, 422, any
+replayed answer). A replay is recognized by its marker under either name a gateway may be
+configured with (``replay_header``): Stripe's ``Idempotent-Replayed``, the default, or the IETF
+draft's ``Idempotency-Replayed``.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ except ModuleNotFoundError as missing:  # pragma: no cover - depends on the inst
     ) from missing
 
 from idempotency_gateway.clock import Monotonic, monotonic
+from idempotency_gateway.config import DEFAULT_REPLAY_HEADER
 from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
 
 IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
-REPLAYED_HEADER = "Idempotent-Replayed"
+IETF_REPLAY_HEADER = "Idempotency-Replayed"
+# Both names a gateway may mark a replay with: a client need not know which one it is set to.
+REPLAY_HEADERS = (DEFAULT_REPLAY_HEADER, IETF_REPLAY_HEADER)
 # 409: the first request with the key is still running; 429/5xx: not processed or not yet.
 RETRY_STATUSES = frozenset({409, 425, 429, 500, 502, 503, 504})
 _UNSAFE_WITHOUT_KEY = frozenset({"POST", "PATCH"})
@@ -48,6 +54,16 @@ def idempotency_key(*business_ids: str | int, namespace: str = "") -> str:
 
 
 class IdempotentClient:
+    """httpx with stable keys and safe retries.
+
+    ``replay_header``: the field that marks a replayed answer. ``None`` (the default)
+    recognizes both names a gateway may be configured with, Stripe's ``Idempotent-Replayed``
+    (the gateway's default) and the IETF draft's ``Idempotency-Replayed``. Name one to
+    recognize it alone: the gateway drops an upstream's marker only under its own configured
+    name, so an upstream that sends the other name itself would otherwise make its fresh
+    answers look replayed (and final).
+    """
+
     def __init__(
         self,
         base_url: str = "",
@@ -60,8 +76,10 @@ class IdempotentClient:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Monotonic = monotonic,
         uniform: Callable[[float, float], float] = random.uniform,
+        replay_header: str | None = None,
     ) -> None:
         self.http = http or httpx.AsyncClient(base_url=base_url)
+        self.replay_headers = REPLAY_HEADERS if replay_header is None else (replay_header,)
         self.max_attempts = max_attempts
         self.base = base
         self.cap = cap
@@ -107,7 +125,7 @@ class IdempotentClient:
                     raise
                 continue
             # A replayed answer is the stored outcome: every retry would get it again.
-            replayed = response.headers.get(REPLAYED_HEADER) == "true"
+            replayed = any(response.headers.get(name) == "true" for name in self.replay_headers)
             if response.status_code not in RETRY_STATUSES or only_unsent or replayed:
                 return response
             retry_after = parse_retry_after(response.headers.get("retry-after"))

@@ -33,7 +33,7 @@ from idempotency_gateway.config import (
     load_config,
     validate_config,
 )
-from idempotency_gateway.database_url import backend_of
+from idempotency_gateway.database_url import backend_of, database_url_or_default
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
@@ -73,13 +73,8 @@ log = logging.getLogger(__name__)
 
 # The CLI hands its resolved config to worker processes through this variable.
 RESOLVED_CONFIG_ENV = "GATEWAY_RESOLVED_CONFIG"
-EMBEDDED_DATABASE_URL = "sqlite:///idempotency-gateway.db"
 # How long shutdown waits for in-flight executions to finish and finalize.
 DRAIN_TIMEOUT = 30.0
-
-
-def database_url_or_default(url: str | None) -> str:
-    return url or EMBEDDED_DATABASE_URL
 
 
 def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCache, Wakeups]:
@@ -111,7 +106,7 @@ class Gateway:
     Arguments:
         config: the validated config file (``load_config``/``validate_config``).
         database_url: the record store; ``None`` is the embedded SQLite file
-            (``EMBEDDED_DATABASE_URL``), migrated at startup.
+            (``database_url.EMBEDDED_DATABASE_URL``), migrated at startup.
         redis_url: the shared replay cache and wake-ups; ``None`` keeps both in-process
             (then admin deletes reach other workers through ``CacheInvalidations``).
         admin_port: the local port whose connections get the admin app instead of the proxy.

@@ -14,6 +14,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from idempotency_gateway.database_url import normalize_database_url
+from idempotency_gateway.extras import require_database_driver
 from idempotency_gateway.storage.base import RecordStore
 
 # Processes that start together (workers of one server) may race on SQLite's schema; a few
@@ -48,6 +49,7 @@ def upgrade_to_head(database_url: str) -> None:
     processes may call it at once: on PostgreSQL they take turns on an advisory lock (see
     ``migrations/env.py``); on SQLite a process that lost the race finds the schema at head.
     """
+    require_database_driver(database_url)
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from idempotency_gateway.extras import require_redis
+
 if TYPE_CHECKING:
     from idempotency_gateway.replay.wakeups import PublishedWakeups
 
@@ -105,6 +107,7 @@ def connect_redis(url: str, *, timeout: float | None, connect_timeout: float) ->
     ``redis+cluster://`` / ``rediss+cluster://``, see ``redis_connection``). ``timeout`` bounds
     each command's socket reads (``None``: none); pub/sub connections never have one."""
     # Imported here: building an adapter is what needs redis-py.
+    require_redis()
     if is_cluster_url(url):
         from idempotency_gateway.replay.redis_cluster import ClusterRedis
 

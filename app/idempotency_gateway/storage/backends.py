@@ -9,6 +9,7 @@ from __future__ import annotations
 from idempotency_gateway.clock import Clock
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.database_url import backend_of, sqlite_path
+from idempotency_gateway.extras import require_database_driver
 from idempotency_gateway.storage.base import RecordStore
 
 
@@ -22,6 +23,7 @@ def open_store(url: str, config: StoreConfig, *, clock: Clock | None = None) -> 
     """
     backend = backend_of(url)
     if backend == "postgresql":
+        require_database_driver(url)
         from idempotency_gateway.storage.postgres import PostgresRecordStore
 
         return PostgresRecordStore(url, config, clock=clock)
