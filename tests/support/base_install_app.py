@@ -23,8 +23,8 @@ from starlette.routing import Route
 from idempotency_gateway import (
     IdempotencyConfig,
     IdempotencyMiddleware,
-    RecordStore,
     StoreConfig,
+    open_store,
     upgrade_to_head,
 )
 
@@ -80,7 +80,7 @@ async def post_charge(app: IdempotencyMiddleware, key: str) -> dict[str, Any]:
 async def main(database: Path) -> dict[str, Any]:
     url = f"sqlite:///{database}"
     upgrade_to_head(url)
-    store = RecordStore.from_url(url, StoreConfig())
+    store = open_store(url, StoreConfig())
     app = IdempotencyMiddleware(
         Starlette(routes=[Route("/v1/charges", create_charge, methods=["POST"])]),
         store=store,

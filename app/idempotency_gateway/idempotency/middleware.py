@@ -86,7 +86,7 @@ class IdempotencyMiddleware:
 
     Arguments:
         app: the ASGI app to protect.
-        store: where records live (``RecordStore.from_url``); shared by every process that
+        store: where records live (``open_store``); shared by every process that
             serves the same keys.
         policy: which requests are covered, and how: one ``IdempotencyConfig`` for every path,
             a ``{path_prefix: IdempotencyConfig}`` mapping, or a function of the canonical
