@@ -50,6 +50,7 @@ from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
 from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
 from idempotency_gateway.replay.redis_cache import RedisCache
 from idempotency_gateway.replay.redis_connection import connect_redis
+from idempotency_gateway.replay.redis_live_streams import live_streams_for
 from idempotency_gateway.replay.wakeups import LocalWakeups, RedisWakeups, Wakeups
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.resilience.bulkhead import publish_every
@@ -186,6 +187,7 @@ class Gateway:
             max_request_body=config.limits.max_request_body,
             store_unavailable=config.store_unavailable,
             finalize_attempts=config.store.finalize_attempts,
+            live_streams=live_streams_for(redis_url, timeout=config.cache.timeout),
         )
         bulkheads = route_bulkheads(
             config.routes,

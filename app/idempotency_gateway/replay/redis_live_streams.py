@@ -1,0 +1,230 @@
+"""Live streams through Redis: one Redis stream per key, which every gateway process reads.
+
+The owner appends the head, then one entry per event, then the end (XADD), each batch
+refreshing the stream's expiry (``idle``). Its appends go through a bounded queue that one
+task drains with pipelined XADDs, so Redis never sets the owner's pace: when the queue is
+full (Redis slower than the upstream) the stream is cut for its followers rather than
+buffered. A follower reads the entries from the head on and then blocks for new ones
+(XREAD BLOCK), a batch at a time, on a client of its own whose reads may wait.
+
+Fail soft, as the replay cache does: Redis down means no follower finds the stream (a 409,
+as without the feature) or a follower's stream is cut; the owner's answer never notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any, cast
+
+import orjson
+
+from idempotency_gateway.replay.live_streams import (
+    LiveFollower,
+    LivePublisher,
+    LiveStreams,
+    LocalLiveStreams,
+    StreamEnd,
+    StreamHead,
+    stream_name,
+)
+from idempotency_gateway.replay.redis_cache import REDIS_FAILURES
+from idempotency_gateway.replay.redis_connection import RedisClient, connect_redis
+from idempotency_gateway.storage.records import RecordKey
+from idempotency_gateway.telemetry.degradation import DegradationLog
+
+# Entries an owner may have waiting for Redis; a few seconds of tokens at an LLM's pace.
+_QUEUED_ENTRIES = 1024
+# Entries a follower takes per read: what one follower holds at most.
+_FOLLOW_BATCH = 64
+_HEAD, _EVENT, _END = b"h", b"e", b"x"
+
+Fields = dict[bytes, bytes]
+Entries = list[tuple[bytes, Fields]]
+
+
+def _entries(reply: Any) -> Entries:
+    """XRANGE's entries, raw bytes: the client decodes none."""
+    return cast(Entries, reply)
+
+
+def _read_entries(reply: Any) -> Entries:
+    """XREAD's entries of its one stream (none when the read timed out)."""
+    return _entries(reply[0][1]) if reply else []
+
+
+def _encode_head(head: StreamHead) -> bytes:
+    return orjson.dumps(
+        {
+            "r": head.request_hash,
+            "s": head.status,
+            "h": [
+                [name.decode("latin-1"), value.decode("latin-1")] for name, value in head.headers
+            ],
+        }
+    )
+
+
+def _decode_head(fields: Fields) -> StreamHead | None:
+    try:
+        data = orjson.loads(fields[_HEAD])
+        return StreamHead(
+            data["r"],
+            int(data["s"]),
+            [(name.encode("latin-1"), value.encode("latin-1")) for name, value in data["h"]],
+        )
+    except (KeyError, TypeError, ValueError):
+        return None  # not a head this gateway wrote: nothing to follow
+
+
+class _RedisPublisher:
+    def __init__(
+        self,
+        streams: RedisLiveStreams,
+        name: str,
+        head: StreamHead,
+        *,
+        max_bytes: int,
+        idle: float,
+    ) -> None:
+        self._streams, self._name, self._idle = streams, name, idle
+        self._queue: asyncio.Queue[Fields] = asyncio.Queue(maxsize=_QUEUED_ENTRIES)
+        self._room = max_bytes
+        self._ended = False
+        self._overflowed = False
+        self._put({_HEAD: _encode_head(head)})
+        self.task = asyncio.create_task(self._pump())
+
+    def event(self, raw: bytes) -> None:
+        if self._ended:
+            return
+        self._room -= len(raw)
+        if self._room < 0:
+            self.end(StreamEnd.CUT)
+            return
+        self._put({_EVENT: raw})
+
+    def end(self, how: StreamEnd) -> None:
+        if not self._ended:
+            self._put({_END: how.value.encode()})
+            self._ended = True
+
+    def _put(self, fields: Fields) -> None:
+        try:
+            self._queue.put_nowait(fields)
+        except asyncio.QueueFull:
+            # Followers get what was queued, then the cut; the owner goes on as it was.
+            self._ended = self._overflowed = True
+
+    async def _pump(self) -> None:
+        redis = self._streams.redis
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            if self._overflowed and self._queue.empty():
+                batch.append({_END: StreamEnd.CUT.value.encode()})
+            pipe = redis.pipeline(transaction=False)
+            for fields in batch:
+                pipe.xadd(self._name, fields)  # type: ignore[arg-type]
+            pipe.expire(self._name, max(int(self._idle), 1))
+            try:
+                async with asyncio.timeout(self._streams.timeout):
+                    await pipe.execute()
+            except REDIS_FAILURES as exc:
+                # Followers see no more entries and are cut once the stream is idle.
+                self._streams.degradation.failed(exc)
+                return
+            if _END in batch[-1]:
+                return
+
+
+class _RedisFollower:
+    def __init__(
+        self, reader: RedisClient, name: str, after: bytes, head: StreamHead, idle: float
+    ) -> None:
+        self.head = head
+        self.ended = StreamEnd.CUT
+        self._reader, self._name, self._after, self._idle = reader, name, after, idle
+
+    async def events(self) -> AsyncGenerator[bytes]:
+        after = self._after
+        while True:
+            try:
+                entries = _read_entries(
+                    await self._reader.xread(
+                        {self._name: after}, count=_FOLLOW_BATCH, block=int(self._idle * 1000)
+                    )
+                )
+            except REDIS_FAILURES:
+                return
+            if not entries:
+                return  # idle for too long: cut
+            for entry_id, fields in entries:
+                after = entry_id
+                if _EVENT in fields:
+                    yield fields[_EVENT]
+                elif _END in fields:
+                    self.ended = StreamEnd(fields[_END].decode())
+                    return
+
+
+class RedisLiveStreams:
+    """Live streams every gateway process sharing the Redis can follow."""
+
+    shared_across_workers = True
+
+    def __init__(self, *, redis: RedisClient, reader: RedisClient, timeout: float) -> None:
+        """``redis``: quick calls (appends, the first look); ``reader``: followers' blocking
+        reads, on a client with no socket timeout."""
+        self.redis, self.reader, self.timeout = redis, reader, timeout
+        self.degradation = DegradationLog("Redis live streams", fallback="duplicates get a 409")
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    def publish(
+        self, key: RecordKey, head: StreamHead, *, max_bytes: int, idle: float
+    ) -> LivePublisher:
+        publisher = _RedisPublisher(self, stream_name(key), head, max_bytes=max_bytes, idle=idle)
+        self._pumps.add(publisher.task)
+        publisher.task.add_done_callback(self._pumps.discard)
+        return publisher
+
+    async def follow(
+        self, key: RecordKey, request_hash: str, *, idle: float
+    ) -> LiveFollower | None:
+        name = stream_name(key)
+        try:
+            async with asyncio.timeout(self.timeout):
+                first = _entries(await self.redis.xrange(name, count=1))
+        except REDIS_FAILURES as exc:
+            self.degradation.failed(exc)
+            return None
+        if not first:
+            return None
+        entry_id, fields = first[0]
+        head = _decode_head(fields)
+        if head is None or head.request_hash != request_hash:
+            return None
+        return _RedisFollower(self.reader, name, entry_id, head, idle)
+
+    async def close(self) -> None:
+        # Appends still queued go out: followers in other processes get their end.
+        if self._pumps:
+            await asyncio.wait(self._pumps, timeout=self.timeout * 10)
+        for task in self._pumps:
+            task.cancel()
+        for client in (self.redis, self.reader):
+            with contextlib.suppress(*REDIS_FAILURES):
+                await client.aclose()
+
+
+def live_streams_for(redis_url: str | None, *, timeout: float) -> LiveStreams:
+    """Through Redis when the gateway has one, else within this process."""
+    if redis_url is None:
+        return LocalLiveStreams()
+    return RedisLiveStreams(
+        redis=connect_redis(redis_url, timeout=timeout, connect_timeout=timeout),
+        reader=connect_redis(redis_url, timeout=None, connect_timeout=timeout),
+        timeout=timeout,
+    )
