@@ -1,11 +1,11 @@
 """Live streams through Redis: one Redis stream per key, which every gateway process reads.
 
 The owner appends the head, then one entry per event, then the end (XADD), each batch
-refreshing the stream's expiry (``idle``). Its appends go through a bounded queue that one
-task drains with pipelined XADDs, so Redis never sets the owner's pace: when the queue is
-full (Redis slower than the upstream) the stream is cut for its followers rather than
-buffered. A follower reads the entries from the head on and then blocks for new ones
-(XREAD BLOCK), a batch at a time, on a client of its own whose reads may wait.
+refreshing the stream's expiry (``idle``). Its appends wait in a list that one task drains
+with pipelined XADDs, so Redis never sets the owner's pace; what waits is bounded by the
+stream's own cap (the route's ``max_stored_body``), as the owner's captured answer is. A
+follower reads the entries from the head on and then blocks for new ones (XREAD BLOCK), a
+batch at a time, on a client of its own whose reads may wait.
 
 Fail soft, as the replay cache does: Redis down means no follower finds the stream (a 409,
 as without the feature) or a follower's stream is cut; the owner's answer never notices.
@@ -34,8 +34,8 @@ from idempotency_gateway.replay.redis_connection import RedisClient, connect_red
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
-# Entries an owner may have waiting for Redis; a few seconds of tokens at an LLM's pace.
-_QUEUED_ENTRIES = 1024
+# One batch of appends; off the request path, so a slow Redis only delays followers.
+_APPEND_TIMEOUT = 2.0
 # Entries a follower takes per read: what one follower holds at most.
 _FOLLOW_BATCH = 64
 _HEAD, _EVENT, _END = b"h", b"e", b"x"
@@ -89,11 +89,10 @@ class _RedisPublisher:
         idle: float,
     ) -> None:
         self._streams, self._name, self._idle = streams, name, idle
-        self._queue: asyncio.Queue[Fields] = asyncio.Queue(maxsize=_QUEUED_ENTRIES)
+        self._pending: list[Fields] = [{_HEAD: _encode_head(head)}]
+        self._news = asyncio.Event()
         self._room = max_bytes
         self._ended = False
-        self._overflowed = False
-        self._put({_HEAD: _encode_head(head)})
         self.task = asyncio.create_task(self._pump())
 
     def event(self, raw: bytes) -> None:
@@ -103,34 +102,30 @@ class _RedisPublisher:
         if self._room < 0:
             self.end(StreamEnd.CUT)
             return
-        self._put({_EVENT: raw})
+        self._append({_EVENT: raw})
 
     def end(self, how: StreamEnd) -> None:
         if not self._ended:
-            self._put({_END: how.value.encode()})
+            self._append({_END: how.value.encode()})
             self._ended = True
 
-    def _put(self, fields: Fields) -> None:
-        try:
-            self._queue.put_nowait(fields)
-        except asyncio.QueueFull:
-            # Followers get what was queued, then the cut; the owner goes on as it was.
-            self._ended = self._overflowed = True
+    def _append(self, fields: Fields) -> None:
+        self._pending.append(fields)
+        self._news.set()
 
     async def _pump(self) -> None:
         redis = self._streams.redis
         while True:
-            batch = [await self._queue.get()]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            if self._overflowed and self._queue.empty():
-                batch.append({_END: StreamEnd.CUT.value.encode()})
+            if not self._pending:
+                self._news.clear()
+                await self._news.wait()
+            batch, self._pending = self._pending, []
             pipe = redis.pipeline(transaction=False)
             for fields in batch:
                 pipe.xadd(self._name, fields)  # type: ignore[arg-type]
             pipe.expire(self._name, max(int(self._idle), 1))
             try:
-                async with asyncio.timeout(self._streams.timeout):
+                async with asyncio.timeout(_APPEND_TIMEOUT):
                     await pipe.execute()
             except REDIS_FAILURES as exc:
                 # Followers see no more entries and are cut once the stream is idle.

@@ -1,0 +1,281 @@
+"""Event streams that survive a dropped connection, across real gateway processes.
+
+A fake LLM (``TokenUpstream``) streams one SSE event per token at the pace the test releases
+them. Two gateway processes share PostgreSQL and Redis, and two more share only PostgreSQL.
+While the first execution of a key streams, a duplicate (same client, same request) through
+any process of the Redis pair gets the events so far and follows the rest, after its
+``Last-Event-ID`` when it sends one; without Redis only the owner's own process can follow.
+The upstream runs once for every key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tests.support import GatewayProcess, write_config
+from tests.support.event_stream_client import RawEventStream
+from tests.support.llm_upstream import TokenUpstream, chat, whole_output
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.asyncio(loop_scope="module")]
+
+CHAT = "/v1/chat"
+# Room for the slow follower's stream, far more than any socket buffer holds.
+BIG_STREAM = 16 * 1024 * 1024
+
+
+def config(upstream_url: str) -> dict[str, Any]:
+    return {
+        "upstreams": {
+            "llm": {
+                "url": upstream_url,
+                "timeouts": {"connect": "1s", "per_try": "120s", "total": "120s"},
+            }
+        },
+        "routes": [
+            {
+                "name": "chat",
+                "match": {"path_prefix": "/"},
+                "upstream": "llm",
+                "idempotency": {
+                    "key": "required",
+                    "lease": "30s",
+                    "max_stored_body": BIG_STREAM,
+                    "streaming": {"follow": True},
+                },
+            }
+        ],
+        "lifecycle": {"drain_grace": "0s"},
+    }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def llm() -> AsyncIterator[TokenUpstream]:
+    async with TokenUpstream() as upstream:
+        yield upstream
+
+
+async def _gateways(
+    tmp_path: Path, llm: TokenUpstream, env: dict[str, str], names: tuple[str, str]
+) -> AsyncIterator[tuple[GatewayProcess, GatewayProcess]]:
+    path = write_config(tmp_path, config(llm.url), name=f"{names[0]}.yaml")
+    pair = tuple(GatewayProcess(path, env=env, log_dir=tmp_path, name=name) for name in names)
+    try:
+        await asyncio.gather(*(gateway.start() for gateway in pair))
+        yield pair[0], pair[1]
+    finally:
+        await asyncio.gather(*(gateway.stop() for gateway in pair), return_exceptions=True)
+        for gateway in pair:
+            print(f"--- {gateway.name} log tail ---\n{gateway.log_tail()}")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def with_redis(
+    tmp_path_factory: pytest.TempPathFactory, llm: TokenUpstream, postgres_url: str, redis_url: str
+) -> AsyncIterator[tuple[GatewayProcess, GatewayProcess]]:
+    env = {"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_REDIS_URL": redis_url}
+    async for pair in _gateways(tmp_path_factory.mktemp("redis"), llm, env, ("ra", "rb")):
+        yield pair
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def without_redis(
+    tmp_path_factory: pytest.TempPathFactory, llm: TokenUpstream, postgres_url: str
+) -> AsyncIterator[tuple[GatewayProcess, GatewayProcess]]:
+    env = {"GATEWAY_DATABASE_URL": postgres_url}
+    async for pair in _gateways(tmp_path_factory.mktemp("local"), llm, env, ("la", "lb")):
+        yield pair
+
+
+def keyed(key: str, last_event_id: bytes | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [
+        (b"Authorization", b"Bearer sk_streams"),
+        (b"Idempotency-Key", key.encode()),
+        (b"Content-Type", b"application/json"),
+    ]
+    if last_event_id is not None:
+        headers.append((b"Last-Event-ID", last_event_id))
+    return headers
+
+
+class Clients:
+    """Opens keyed streams to a gateway; closes every one of them when the test ends."""
+
+    def __init__(self) -> None:
+        self.opened: list[RawEventStream] = []
+
+    async def post(
+        self,
+        gateway: GatewayProcess,
+        key: str,
+        body: bytes,
+        *,
+        last_event_id: bytes | None = None,
+        receive_buffer: int | None = None,
+    ) -> RawEventStream:
+        stream = await RawEventStream.open(
+            gateway.port, CHAT, keyed(key, last_event_id), body, receive_buffer=receive_buffer
+        )
+        self.opened.append(stream)
+        return stream
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def clients() -> AsyncIterator[Clients]:
+    opened = Clients()
+    try:
+        yield opened
+    finally:
+        for stream in opened.opened:
+            await stream.close()
+
+
+@pytest.mark.parametrize(("ids", "last_event_id"), [(True, b"2"), (False, b"3")])
+async def test_a_dropped_client_resumes_through_another_process(
+    with_redis: tuple[GatewayProcess, GatewayProcess],
+    llm: TokenUpstream,
+    clients: Clients,
+    unique: Any,
+    ids: bool,
+    last_event_id: bytes,
+) -> None:
+    """By the upstream's ids (the third event is ``id: 2``), or by count without them."""
+    first_gateway, other_gateway = with_redis
+    key, body = unique("resume"), chat(8, ids=ids)
+    first = await clients.post(first_gateway, key, body)
+    llm.release(key, 3)
+    seen = await first.events(3)
+    first.drop()
+
+    retry = await clients.post(other_gateway, key, body, last_event_id=last_event_id)
+    assert (retry.status, retry.headers["idempotent-replayed"]) == (200, "true")
+    assert retry.headers["content-type"].startswith("text/event-stream")
+    llm.release(key, 5)
+    rest = await retry.rest()
+    assert retry.whole
+    assert b"".join(seen) + rest == b"".join(whole_output(8, ids=ids))
+    assert llm.calls[key] == 1
+
+
+async def test_a_late_follower_gets_the_stream_from_its_start(
+    with_redis: tuple[GatewayProcess, GatewayProcess],
+    llm: TokenUpstream,
+    clients: Clients,
+    unique: Any,
+) -> None:
+    first_gateway, other_gateway = with_redis
+    key, body, expected = unique("late"), chat(6), b"".join(whole_output(6))
+    first = await clients.post(first_gateway, key, body)
+    llm.release(key, 2)
+    await first.events(2)
+    follower = await clients.post(other_gateway, key, body)
+    same_process = await clients.post(first_gateway, key, body)
+    llm.release(key, 4)
+    assert await follower.rest() == expected
+    assert await same_process.rest() == expected
+    assert follower.whole
+    assert same_process.whole
+    await first.rest()
+    assert first.whole
+    assert llm.calls[key] == 1
+
+
+async def test_a_finished_stream_replays_after_last_event_id(
+    with_redis: tuple[GatewayProcess, GatewayProcess],
+    llm: TokenUpstream,
+    clients: Clients,
+    unique: Any,
+) -> None:
+    first_gateway, other_gateway = with_redis
+    key, body, events = unique("finished"), chat(5, ids=True), whole_output(5, ids=True)
+    first = await clients.post(first_gateway, key, body)
+    llm.release(key, 5)
+    assert await first.rest() == b"".join(events)
+    assert first.whole
+
+    resumed = await clients.post(other_gateway, key, body, last_event_id=b"1")
+    assert (resumed.status, resumed.headers["idempotent-replayed"]) == (200, "true")
+    assert await resumed.events(3) == events[2:]
+    assert await resumed.rest() == b""
+    assert resumed.whole
+    whole = await clients.post(other_gateway, key, body)
+    assert await whole.rest() == b"".join(events)
+    assert llm.calls[key] == 1
+
+
+async def test_a_different_request_with_the_key_gets_422_while_it_streams(
+    with_redis: tuple[GatewayProcess, GatewayProcess],
+    llm: TokenUpstream,
+    clients: Clients,
+    unique: Any,
+) -> None:
+    first_gateway, _ = with_redis
+    key = unique("mismatch")
+    first = await clients.post(first_gateway, key, chat(3))
+    llm.release(key, 1)
+    await first.events(1)
+    for gateway in with_redis:
+        other = await clients.post(gateway, key, chat(4), last_event_id=b"1")
+        assert other.status == 422
+        assert b"token" not in await other.rest()
+    llm.release(key, 2)
+    assert len(await first.events(2)) == 2
+    assert llm.calls[key] == 1
+
+
+async def test_without_redis_only_the_owners_process_follows(
+    without_redis: tuple[GatewayProcess, GatewayProcess],
+    llm: TokenUpstream,
+    clients: Clients,
+    unique: Any,
+) -> None:
+    owner_gateway, other_gateway = without_redis
+    key, body, events = unique("local"), chat(4), whole_output(4)
+    first = await clients.post(owner_gateway, key, body)
+    llm.release(key, 1)
+    seen = await first.events(1)
+    first.drop()
+
+    elsewhere = await clients.post(other_gateway, key, body, last_event_id=b"1")
+    assert elsewhere.status == 409
+    assert elsewhere.headers["retry-after"] == "1"
+    await elsewhere.rest()
+    retry = await clients.post(owner_gateway, key, body, last_event_id=b"1")
+    assert retry.status == 200
+    llm.release(key, 3)
+    assert [*seen, await retry.rest()] == [events[0], b"".join(events[1:])]
+    assert retry.whole
+    assert llm.calls[key] == 1
+
+
+async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
+    with_redis: tuple[GatewayProcess, GatewayProcess],
+    llm: TokenUpstream,
+    clients: Clients,
+    unique: Any,
+) -> None:
+    """Eight megabytes of events, far beyond what the stalled follower's socket and the
+    gateway's write buffer hold: the first client still gets every one of them."""
+    first_gateway, other_gateway = with_redis
+    tokens, padding = 2000, 4096
+    key, body = unique("slow"), chat(tokens, padding=padding)
+    expected = b"".join(whole_output(tokens, padding=padding))
+    first = await clients.post(first_gateway, key, body)
+    llm.release(key, 1)
+    await first.events(1)
+    stalled = await clients.post(other_gateway, key, body, receive_buffer=4096)
+    assert stalled.status == 200
+    llm.release(key, tokens - 1)
+    rest = await first.rest()
+    assert first.whole
+    assert len(rest) == len(expected) - len(expected.partition(b"\n\n")[0]) - 2
+    # Read at last, the follower's copy is whole as well: it was read from the recorded part.
+    late = await stalled.rest()
+    assert late == expected
+    assert stalled.whole
+    assert llm.calls[key] == 1
