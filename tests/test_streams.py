@@ -18,13 +18,16 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from tests.support import GatewayProcess, write_config
+from idempotency_gateway.idempotency.streams import CUT_NOTICE
+from tests.support import GatewayProcess, eventually, write_config
 from tests.support.event_stream_client import RawEventStream
 from tests.support.llm_upstream import TokenUpstream, chat, whole_output
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.asyncio(loop_scope="module")]
 
 CHAT = "/v1/chat"
+# A route whose record keeps a body of at most SMALL bytes.
+SMALL_CHAT, SMALL = "/v1/small/chat", 1024
 # Room for the slow follower's stream, far more than any socket buffer holds.
 BIG_STREAM = 16 * 1024 * 1024
 
@@ -39,6 +42,12 @@ def config(upstream_url: str) -> dict[str, Any]:
         },
         "routes": [
             {
+                "name": "small",
+                "match": {"path_prefix": "/v1/small/"},
+                "upstream": "llm",
+                "idempotency": {"max_stored_body": SMALL, "streaming": {"follow": True}},
+            },
+            {
                 "name": "chat",
                 "match": {"path_prefix": "/"},
                 "upstream": "llm",
@@ -48,7 +57,7 @@ def config(upstream_url: str) -> dict[str, Any]:
                     "max_stored_body": BIG_STREAM,
                     "streaming": {"follow": True},
                 },
-            }
+            },
         ],
         "lifecycle": {"drain_grace": "0s"},
     }
@@ -117,12 +126,39 @@ class Clients:
         *,
         last_event_id: bytes | None = None,
         receive_buffer: int | None = None,
+        path: str = CHAT,
     ) -> RawEventStream:
         stream = await RawEventStream.open(
-            gateway.port, CHAT, keyed(key, last_event_id), body, receive_buffer=receive_buffer
+            gateway.port, path, keyed(key, last_event_id), body, receive_buffer=receive_buffer
         )
         self.opened.append(stream)
         return stream
+
+    async def follow(
+        self,
+        gateway: GatewayProcess,
+        key: str,
+        body: bytes,
+        *,
+        last_event_id: bytes | None = None,
+        receive_buffer: int | None = None,
+        path: str = CHAT,
+    ) -> RawEventStream:
+        """A duplicate that follows: through Redis the stream's first append may still be on
+        its way (a 409, the contract says), so it retries as a client would."""
+
+        async def followed() -> RawEventStream | None:
+            stream = await self.post(
+                gateway,
+                key,
+                body,
+                last_event_id=last_event_id,
+                receive_buffer=receive_buffer,
+                path=path,
+            )
+            return None if stream.status == 409 else stream
+
+        return await eventually(followed, timeout=10.0, message="a follower's answer")
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -152,7 +188,7 @@ async def test_a_dropped_client_resumes_through_another_process(
     seen = await first.events(3)
     first.drop()
 
-    retry = await clients.post(other_gateway, key, body, last_event_id=last_event_id)
+    retry = await clients.follow(other_gateway, key, body, last_event_id=last_event_id)
     assert (retry.status, retry.headers["idempotent-replayed"]) == (200, "true")
     assert retry.headers["content-type"].startswith("text/event-stream")
     llm.release(key, 5)
@@ -173,7 +209,7 @@ async def test_a_late_follower_gets_the_stream_from_its_start(
     first = await clients.post(first_gateway, key, body)
     llm.release(key, 2)
     await first.events(2)
-    follower = await clients.post(other_gateway, key, body)
+    follower = await clients.follow(other_gateway, key, body)
     same_process = await clients.post(first_gateway, key, body)
     llm.release(key, 4)
     assert await follower.rest() == expected
@@ -268,7 +304,7 @@ async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
     first = await clients.post(first_gateway, key, body)
     llm.release(key, 1)
     await first.events(1)
-    stalled = await clients.post(other_gateway, key, body, receive_buffer=4096)
+    stalled = await clients.follow(other_gateway, key, body, receive_buffer=4096)
     assert stalled.status == 200
     llm.release(key, tokens - 1)
     rest = await first.rest()
@@ -278,4 +314,34 @@ async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
     late = await stalled.rest()
     assert late == expected
     assert stalled.whole
+    assert llm.calls[key] == 1
+
+
+async def test_a_stream_beyond_the_record_limit_is_cut_for_followers(
+    with_redis: tuple[GatewayProcess, GatewayProcess],
+    llm: TokenUpstream,
+    clients: Clients,
+    unique: Any,
+) -> None:
+    """The follower sees the cut (an SSE comment, no end of body); the first client gets the
+    whole stream, and the record says its body was too large to keep, as without followers."""
+    first_gateway, other_gateway = with_redis
+    key, body = unique("large"), chat(100)
+    events = whole_output(100)
+    assert len(b"".join(events)) > SMALL
+    first = await clients.post(first_gateway, key, body, path=SMALL_CHAT)
+    llm.release(key, 2)
+    await first.events(2)
+    follower = await clients.follow(other_gateway, key, body, path=SMALL_CHAT)
+    llm.release(key, 98)
+    assert await first.rest() == b"".join(events[2:])
+    assert first.whole
+    cut = await follower.rest()
+    assert not follower.whole
+    assert cut.endswith(CUT_NOTICE)
+    assert b"".join(events).startswith(cut.removesuffix(CUT_NOTICE))
+
+    of_record = await clients.post(other_gateway, key, body, path=SMALL_CHAT)
+    assert (of_record.status, of_record.headers["idempotency-body-omitted"]) == (200, "true")
+    assert await of_record.rest() == b""
     assert llm.calls[key] == 1
