@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import tempfile
 import time
 import uuid
@@ -70,6 +71,7 @@ class Row:
     cpu_us_per_event: float
     rss_before_mib: float
     rss_peak_mib: float
+    conflicts: int  # 409s followers got before they could follow
 
 
 async def _tokens(request: web.Request) -> web.StreamResponse:
@@ -116,6 +118,10 @@ def _start_gateway(
     return process, port
 
 
+class InFlight(Exception):
+    """A 409: the follower came before the stream could be followed there."""
+
+
 async def _stream(port: int, key: bytes, first_event: asyncio.Event | None) -> int:
     """One keyed POST read to its end; the number of events it delivered."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -127,6 +133,8 @@ async def _stream(port: int, key: bytes, first_event: asyncio.Event | None) -> i
     events = 0
     try:
         head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"HTTP/1.1 409"):
+            raise InFlight
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(f"the gateway answered {head[:200]!r}")
         while chunk := await reader.read(65536):
@@ -138,13 +146,23 @@ async def _stream(port: int, key: bytes, first_event: asyncio.Event | None) -> i
     return events
 
 
-async def _pair(ports: list[int], follow: bool) -> int:
+async def _follower(port: int, key: bytes, conflicts: list[int]) -> int:
+    """A follower retries a 409 as a client would (sooner: the first events go by fast)."""
+    while True:
+        try:
+            return await _stream(port, key, None)
+        except InFlight:
+            conflicts[0] += 1
+            await asyncio.sleep(0.05)
+
+
+async def _pair(ports: list[int], follow: bool, conflicts: list[int]) -> int:
     key, started = uuid.uuid4().hex.encode(), asyncio.Event()
     owner = asyncio.create_task(_stream(ports[0], key, started))
     if not follow:
         return await owner
     await started.wait()
-    return sum(await asyncio.gather(owner, _stream(ports[-1], key, None)))
+    return sum(await asyncio.gather(owner, _follower(ports[-1], key, conflicts)))
 
 
 async def _sample_rss(pids: list[int], peak: list[int], stop: asyncio.Event) -> None:
@@ -157,12 +175,22 @@ async def _run_streams(ports: list[int], pids: list[int], streams: int, follow: 
     rss_before = max((rss_kib(pid) or 0) for pid in pids)
     peak, stop = [rss_before], asyncio.Event()
     sampler = asyncio.create_task(_sample_rss(pids, peak, stop))
-    cpu_before, started = cpu_seconds(pids), time.perf_counter()
-    delivered = sum(await asyncio.gather(*(_pair(ports, follow) for _ in range(streams))))
+    cpu_before, started, conflicts = cpu_seconds(pids), time.perf_counter(), [0]
+    delivered = sum(
+        await asyncio.gather(*(_pair(ports, follow, conflicts) for _ in range(streams)))
+    )
     seconds, cpu = time.perf_counter() - started, cpu_seconds(pids) - cpu_before
     stop.set()
     await sampler
-    return Row("", delivered, seconds, cpu / delivered * 1e6, rss_before / 1024, peak[0] / 1024)
+    return Row(
+        "",
+        delivered,
+        seconds,
+        cpu / delivered * 1e6,
+        rss_before / 1024,
+        peak[0] / 1024,
+        conflicts[0],
+    )
 
 
 async def _measure(args: argparse.Namespace, setup: Setup, work: Path, database_url: str) -> Row:
@@ -184,14 +212,7 @@ async def _measure(args: argparse.Namespace, setup: Setup, work: Path, database_
     try:
         pids = [pid for process, _ in gateways for pid in process.tree()]
         row = await _run_streams([port for _, port in gateways], pids, args.streams, setup.follow)
-        return Row(
-            setup.label,
-            row.events,
-            row.seconds,
-            row.cpu_us_per_event,
-            row.rss_before_mib,
-            row.rss_peak_mib,
-        )
+        return dataclasses.replace(row, setup=setup.label)
     finally:
         for process, _ in gateways:
             process.stop()
@@ -204,12 +225,12 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
         "events delivered to owners and followers.",
         "",
         "| set-up | events delivered | seconds | gateway CPU per event (µs) | RSS before (MiB) "
-        "| RSS peak (MiB) |",
-        "|---|---|---|---|---|---|",
+        "| RSS peak (MiB) | followers' 409s |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {row.setup} | {row.events:,} | {row.seconds:.1f} | {row.cpu_us_per_event:.0f} | "
-        f"{row.rss_before_mib:.0f} | {row.rss_peak_mib:.0f} |"
+        f"{row.rss_before_mib:.0f} | {row.rss_peak_mib:.0f} | {row.conflicts} |"
         for row in rows
     ]
     return "\n".join(lines)

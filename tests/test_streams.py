@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.asyncio(loop_scope="module")
 CHAT = "/v1/chat"
 # A route whose record keeps a body of at most SMALL bytes.
 SMALL_CHAT, SMALL = "/v1/small/chat", 1024
+# A route whose followers are cut after a second without an event.
+IDLE_CHAT = "/v1/idle/chat"
 # Room for the slow follower's stream, far more than any socket buffer holds.
 BIG_STREAM = 16 * 1024 * 1024
 
@@ -46,6 +49,12 @@ def config(upstream_url: str) -> dict[str, Any]:
                 "match": {"path_prefix": "/v1/small/"},
                 "upstream": "llm",
                 "idempotency": {"max_stored_body": SMALL, "streaming": {"follow": True}},
+            },
+            {
+                "name": "idle",
+                "match": {"path_prefix": "/v1/idle/"},
+                "upstream": "llm",
+                "idempotency": {"streaming": {"follow": True, "idle": "1s"}},
             },
             {
                 "name": "chat",
@@ -135,27 +144,14 @@ class Clients:
         return stream
 
     async def follow(
-        self,
-        gateway: GatewayProcess,
-        key: str,
-        body: bytes,
-        *,
-        last_event_id: bytes | None = None,
-        receive_buffer: int | None = None,
-        path: str = CHAT,
+        self, gateway: GatewayProcess, key: str, body: bytes, **options: Any
     ) -> RawEventStream:
-        """A duplicate that follows: through Redis the stream's first append may still be on
-        its way (a 409, the contract says), so it retries as a client would."""
+        """A duplicate that follows (``options`` as ``post`` takes them): through Redis the
+        stream's first append may still be on its way (a 409, the contract says), so it
+        retries as a client would."""
 
         async def followed() -> RawEventStream | None:
-            stream = await self.post(
-                gateway,
-                key,
-                body,
-                last_event_id=last_event_id,
-                receive_buffer=receive_buffer,
-                path=path,
-            )
+            stream = await self.post(gateway, key, body, **options)
             return None if stream.status == 409 else stream
 
         return await eventually(followed, timeout=10.0, message="a follower's answer")
@@ -171,142 +167,134 @@ async def clients() -> AsyncIterator[Clients]:
             await stream.close()
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """Two gateway processes, the upstream behind them and the test's clients."""
+
+    first: GatewayProcess
+    other: GatewayProcess
+    llm: TokenUpstream
+    clients: Clients
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def fleet(
+    with_redis: tuple[GatewayProcess, GatewayProcess], llm: TokenUpstream, clients: Clients
+) -> Fleet:
+    return Fleet(*with_redis, llm, clients)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def local(
+    without_redis: tuple[GatewayProcess, GatewayProcess], llm: TokenUpstream, clients: Clients
+) -> Fleet:
+    return Fleet(*without_redis, llm, clients)
+
+
 @pytest.mark.parametrize(("ids", "last_event_id"), [(True, b"2"), (False, b"3")])
 async def test_a_dropped_client_resumes_through_another_process(
-    with_redis: tuple[GatewayProcess, GatewayProcess],
-    llm: TokenUpstream,
-    clients: Clients,
-    unique: Any,
-    ids: bool,
-    last_event_id: bytes,
+    fleet: Fleet, unique: Any, ids: bool, last_event_id: bytes
 ) -> None:
     """By the upstream's ids (the third event is ``id: 2``), or by count without them."""
-    first_gateway, other_gateway = with_redis
     key, body = unique("resume"), chat(8, ids=ids)
-    first = await clients.post(first_gateway, key, body)
-    llm.release(key, 3)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 3)
     seen = await first.events(3)
     first.drop()
 
-    retry = await clients.follow(other_gateway, key, body, last_event_id=last_event_id)
+    retry = await fleet.clients.follow(fleet.other, key, body, last_event_id=last_event_id)
     assert (retry.status, retry.headers["idempotent-replayed"]) == (200, "true")
     assert retry.headers["content-type"].startswith("text/event-stream")
-    llm.release(key, 5)
+    fleet.llm.release(key, 5)
     rest = await retry.rest()
     assert retry.whole
     assert b"".join(seen) + rest == b"".join(whole_output(8, ids=ids))
-    assert llm.calls[key] == 1
+    assert fleet.llm.calls[key] == 1
 
 
-async def test_a_late_follower_gets_the_stream_from_its_start(
-    with_redis: tuple[GatewayProcess, GatewayProcess],
-    llm: TokenUpstream,
-    clients: Clients,
-    unique: Any,
-) -> None:
-    first_gateway, other_gateway = with_redis
+async def test_a_late_follower_gets_the_stream_from_its_start(fleet: Fleet, unique: Any) -> None:
     key, body, expected = unique("late"), chat(6), b"".join(whole_output(6))
-    first = await clients.post(first_gateway, key, body)
-    llm.release(key, 2)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 2)
     await first.events(2)
-    follower = await clients.follow(other_gateway, key, body)
-    same_process = await clients.post(first_gateway, key, body)
-    llm.release(key, 4)
+    follower = await fleet.clients.follow(fleet.other, key, body)
+    same_process = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 4)
     assert await follower.rest() == expected
     assert await same_process.rest() == expected
     assert follower.whole
     assert same_process.whole
     await first.rest()
     assert first.whole
-    assert llm.calls[key] == 1
+    assert fleet.llm.calls[key] == 1
 
 
-async def test_a_finished_stream_replays_after_last_event_id(
-    with_redis: tuple[GatewayProcess, GatewayProcess],
-    llm: TokenUpstream,
-    clients: Clients,
-    unique: Any,
-) -> None:
-    first_gateway, other_gateway = with_redis
+async def test_a_finished_stream_replays_after_last_event_id(fleet: Fleet, unique: Any) -> None:
     key, body, events = unique("finished"), chat(5, ids=True), whole_output(5, ids=True)
-    first = await clients.post(first_gateway, key, body)
-    llm.release(key, 5)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 5)
     assert await first.rest() == b"".join(events)
     assert first.whole
 
-    resumed = await clients.post(other_gateway, key, body, last_event_id=b"1")
+    resumed = await fleet.clients.post(fleet.other, key, body, last_event_id=b"1")
     assert (resumed.status, resumed.headers["idempotent-replayed"]) == (200, "true")
     assert await resumed.events(3) == events[2:]
     assert await resumed.rest() == b""
     assert resumed.whole
-    whole = await clients.post(other_gateway, key, body)
+    whole = await fleet.clients.post(fleet.other, key, body)
     assert await whole.rest() == b"".join(events)
-    assert llm.calls[key] == 1
+    assert fleet.llm.calls[key] == 1
 
 
 async def test_a_different_request_with_the_key_gets_422_while_it_streams(
-    with_redis: tuple[GatewayProcess, GatewayProcess],
-    llm: TokenUpstream,
-    clients: Clients,
-    unique: Any,
+    fleet: Fleet, unique: Any
 ) -> None:
-    first_gateway, _ = with_redis
     key = unique("mismatch")
-    first = await clients.post(first_gateway, key, chat(3))
-    llm.release(key, 1)
+    first = await fleet.clients.post(fleet.first, key, chat(3))
+    fleet.llm.release(key, 1)
     await first.events(1)
-    for gateway in with_redis:
-        other = await clients.post(gateway, key, chat(4), last_event_id=b"1")
+    for gateway in (fleet.first, fleet.other):
+        other = await fleet.clients.post(gateway, key, chat(4), last_event_id=b"1")
         assert other.status == 422
         assert b"token" not in await other.rest()
-    llm.release(key, 2)
+    fleet.llm.release(key, 2)
     assert len(await first.events(2)) == 2
-    assert llm.calls[key] == 1
+    assert fleet.llm.calls[key] == 1
 
 
-async def test_without_redis_only_the_owners_process_follows(
-    without_redis: tuple[GatewayProcess, GatewayProcess],
-    llm: TokenUpstream,
-    clients: Clients,
-    unique: Any,
-) -> None:
-    owner_gateway, other_gateway = without_redis
+async def test_without_redis_only_the_owners_process_follows(local: Fleet, unique: Any) -> None:
     key, body, events = unique("local"), chat(4), whole_output(4)
-    first = await clients.post(owner_gateway, key, body)
-    llm.release(key, 1)
+    first = await local.clients.post(local.first, key, body)
+    local.llm.release(key, 1)
     seen = await first.events(1)
     first.drop()
 
-    elsewhere = await clients.post(other_gateway, key, body, last_event_id=b"1")
+    elsewhere = await local.clients.post(local.other, key, body, last_event_id=b"1")
     assert elsewhere.status == 409
     assert elsewhere.headers["retry-after"] == "1"
     await elsewhere.rest()
-    retry = await clients.post(owner_gateway, key, body, last_event_id=b"1")
+    retry = await local.clients.post(local.first, key, body, last_event_id=b"1")
     assert retry.status == 200
-    llm.release(key, 3)
+    local.llm.release(key, 3)
     assert [*seen, await retry.rest()] == [events[0], b"".join(events[1:])]
     assert retry.whole
-    assert llm.calls[key] == 1
+    assert local.llm.calls[key] == 1
 
 
 async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
-    with_redis: tuple[GatewayProcess, GatewayProcess],
-    llm: TokenUpstream,
-    clients: Clients,
-    unique: Any,
+    fleet: Fleet, unique: Any
 ) -> None:
     """Eight megabytes of events, far beyond what the stalled follower's socket and the
     gateway's write buffer hold: the first client still gets every one of them."""
-    first_gateway, other_gateway = with_redis
     tokens, padding = 2000, 4096
     key, body = unique("slow"), chat(tokens, padding=padding)
     expected = b"".join(whole_output(tokens, padding=padding))
-    first = await clients.post(first_gateway, key, body)
-    llm.release(key, 1)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 1)
     await first.events(1)
-    stalled = await clients.follow(other_gateway, key, body, receive_buffer=4096)
+    stalled = await fleet.clients.follow(fleet.other, key, body, receive_buffer=4096)
     assert stalled.status == 200
-    llm.release(key, tokens - 1)
+    fleet.llm.release(key, tokens - 1)
     rest = await first.rest()
     assert first.whole
     assert len(rest) == len(expected) - len(expected.partition(b"\n\n")[0]) - 2
@@ -314,26 +302,22 @@ async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
     late = await stalled.rest()
     assert late == expected
     assert stalled.whole
-    assert llm.calls[key] == 1
+    assert fleet.llm.calls[key] == 1
 
 
 async def test_a_stream_beyond_the_record_limit_is_cut_for_followers(
-    with_redis: tuple[GatewayProcess, GatewayProcess],
-    llm: TokenUpstream,
-    clients: Clients,
-    unique: Any,
+    fleet: Fleet, unique: Any
 ) -> None:
     """The follower sees the cut (an SSE comment, no end of body); the first client gets the
     whole stream, and the record says its body was too large to keep, as without followers."""
-    first_gateway, other_gateway = with_redis
     key, body = unique("large"), chat(100)
     events = whole_output(100)
     assert len(b"".join(events)) > SMALL
-    first = await clients.post(first_gateway, key, body, path=SMALL_CHAT)
-    llm.release(key, 2)
+    first = await fleet.clients.post(fleet.first, key, body, path=SMALL_CHAT)
+    fleet.llm.release(key, 2)
     await first.events(2)
-    follower = await clients.follow(other_gateway, key, body, path=SMALL_CHAT)
-    llm.release(key, 98)
+    follower = await fleet.clients.follow(fleet.other, key, body, path=SMALL_CHAT)
+    fleet.llm.release(key, 98)
     assert await first.rest() == b"".join(events[2:])
     assert first.whole
     cut = await follower.rest()
@@ -341,7 +325,28 @@ async def test_a_stream_beyond_the_record_limit_is_cut_for_followers(
     assert cut.endswith(CUT_NOTICE)
     assert b"".join(events).startswith(cut.removesuffix(CUT_NOTICE))
 
-    of_record = await clients.post(other_gateway, key, body, path=SMALL_CHAT)
+    of_record = await fleet.clients.post(fleet.other, key, body, path=SMALL_CHAT)
     assert (of_record.status, of_record.headers["idempotency-body-omitted"]) == (200, "true")
     assert await of_record.rest() == b""
-    assert llm.calls[key] == 1
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_a_follower_is_cut_when_the_stream_goes_idle(fleet: Fleet, unique: Any) -> None:
+    """The follower is cut once the upstream has been silent for the route's ``idle``; the
+    owner's client still gets the whole stream, and the cut follower's retry with its
+    ``Last-Event-ID`` gets the rest from the record."""
+    key, body, events = unique("idle"), chat(3), whole_output(3)
+    first = await fleet.clients.post(fleet.first, key, body, path=IDLE_CHAT)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    follower = await fleet.clients.follow(fleet.other, key, body, path=IDLE_CHAT)
+    assert await follower.rest() == events[0] + CUT_NOTICE
+    assert not follower.whole
+
+    fleet.llm.release(key, 2)
+    assert await first.rest() == b"".join(events[1:])
+    assert first.whole
+    resumed = await fleet.clients.post(fleet.other, key, body, path=IDLE_CHAT, last_event_id=b"1")
+    assert await resumed.rest() == b"".join(events[1:])
+    assert resumed.whole
+    assert fleet.llm.calls[key] == 1

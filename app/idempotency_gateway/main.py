@@ -187,7 +187,7 @@ class Gateway:
             max_request_body=config.limits.max_request_body,
             store_unavailable=config.store_unavailable,
             finalize_attempts=config.store.finalize_attempts,
-            live_streams=live_streams_for(redis_url, timeout=config.cache.timeout),
+            live_streams=live_streams_for(redis_url),
         )
         bulkheads = route_bulkheads(
             config.routes,

@@ -1,11 +1,12 @@
 """Live streams through Redis: one Redis stream per key, which every gateway process reads.
 
 The owner appends the head, then one entry per event, then the end (XADD), each batch
-refreshing the stream's expiry (``idle``). Its appends wait in a list that one task drains
-with pipelined XADDs, so Redis never sets the owner's pace; what waits is bounded by the
-stream's own cap (the route's ``max_stored_body``), as the owner's captured answer is. A
-follower reads the entries from the head on and then blocks for new ones (XREAD BLOCK), a
-batch at a time, on a client of its own whose reads may wait.
+refreshing the stream's expiry (``idle``). Its appends go to the process's ``Appender``,
+which sends every stream's waiting entries in one pipelined round trip, so Redis never sets
+the owner's pace; what waits is bounded by the stream's own cap (the route's
+``max_stored_body``), as the owner's captured answer is. A follower reads the entries from
+the head on and then blocks for new ones (XREAD BLOCK), a batch at a time, on a client of
+its own whose reads may wait.
 
 Fail soft, as the replay cache does: Redis down means no follower finds the stream (a 409,
 as without the feature) or a follower's stream is cut; the owner's answer never notices.
@@ -29,18 +30,20 @@ from idempotency_gateway.replay.live_streams import (
     StreamHead,
     stream_name,
 )
+from idempotency_gateway.replay.redis_appends import Appender, Fields
 from idempotency_gateway.replay.redis_cache import REDIS_FAILURES
 from idempotency_gateway.replay.redis_connection import RedisClient, connect_redis
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
-# One batch of appends; off the request path, so a slow Redis only delays followers.
-_APPEND_TIMEOUT = 2.0
+# A batch of appends and a follower's first look. Longer than the replay cache's: appends
+# are off the owner's path (a slow Redis only delays followers, and a failed batch is sent
+# again), and a follower that gives up gets a 409 and comes back a second later.
+LIVE_STREAM_TIMEOUT = 1.0
 # Entries a follower takes per read: what one follower holds at most.
 _FOLLOW_BATCH = 64
 _HEAD, _EVENT, _END = b"h", b"e", b"x"
 
-Fields = dict[bytes, bytes]
 Entries = list[tuple[bytes, Fields]]
 
 
@@ -80,20 +83,13 @@ def _decode_head(fields: Fields) -> StreamHead | None:
 
 class _RedisPublisher:
     def __init__(
-        self,
-        streams: RedisLiveStreams,
-        name: str,
-        head: StreamHead,
-        *,
-        max_bytes: int,
-        idle: float,
+        self, appender: Appender, name: str, head: StreamHead, *, max_bytes: int, idle: float
     ) -> None:
-        self._streams, self._name, self._idle = streams, name, idle
-        self._pending: list[Fields] = [{_HEAD: _encode_head(head)}]
-        self._news = asyncio.Event()
+        self._appender, self._name, self._idle = appender, name, idle
+        self._entries = 1
         self._room = max_bytes
         self._ended = False
-        self.task = asyncio.create_task(self._pump())
+        appender.add(name, "0-1", {_HEAD: _encode_head(head)}, idle=idle, first=True)
 
     def event(self, raw: bytes) -> None:
         if self._ended:
@@ -110,29 +106,8 @@ class _RedisPublisher:
             self._ended = True
 
     def _append(self, fields: Fields) -> None:
-        self._pending.append(fields)
-        self._news.set()
-
-    async def _pump(self) -> None:
-        redis = self._streams.redis
-        while True:
-            if not self._pending:
-                self._news.clear()
-                await self._news.wait()
-            batch, self._pending = self._pending, []
-            pipe = redis.pipeline(transaction=False)
-            for fields in batch:
-                pipe.xadd(self._name, fields)  # type: ignore[arg-type]
-            pipe.expire(self._name, max(int(self._idle), 1))
-            try:
-                async with asyncio.timeout(_APPEND_TIMEOUT):
-                    await pipe.execute()
-            except REDIS_FAILURES as exc:
-                # Followers see no more entries and are cut once the stream is idle.
-                self._streams.degradation.failed(exc)
-                return
-            if _END in batch[-1]:
-                return
+        self._entries += 1
+        self._appender.add(self._name, f"0-{self._entries}", fields, idle=self._idle)
 
 
 class _RedisFollower:
@@ -175,15 +150,14 @@ class RedisLiveStreams:
         reads, on a client with no socket timeout."""
         self.redis, self.reader, self.timeout = redis, reader, timeout
         self.degradation = DegradationLog("Redis live streams", fallback="duplicates get a 409")
-        self._pumps: set[asyncio.Task[None]] = set()
+        self.appender = Appender(redis, timeout=timeout, degradation=self.degradation)
 
     def publish(
         self, key: RecordKey, head: StreamHead, *, max_bytes: int, idle: float
     ) -> LivePublisher:
-        publisher = _RedisPublisher(self, stream_name(key), head, max_bytes=max_bytes, idle=idle)
-        self._pumps.add(publisher.task)
-        publisher.task.add_done_callback(self._pumps.discard)
-        return publisher
+        return _RedisPublisher(
+            self.appender, stream_name(key), head, max_bytes=max_bytes, idle=idle
+        )
 
     async def follow(
         self, key: RecordKey, request_hash: str, *, idle: float
@@ -204,20 +178,18 @@ class RedisLiveStreams:
         return _RedisFollower(self.reader, name, entry_id, head, idle)
 
     async def close(self) -> None:
-        # Appends still queued go out: followers in other processes get their end.
-        if self._pumps:
-            await asyncio.wait(self._pumps, timeout=self.timeout * 10)
-        for task in self._pumps:
-            task.cancel()
+        # Appends still waiting go out: followers in other processes get their end.
+        await self.appender.close()
         for client in (self.redis, self.reader):
             with contextlib.suppress(*REDIS_FAILURES):
                 await client.aclose()
 
 
-def live_streams_for(redis_url: str | None, *, timeout: float) -> LiveStreams:
+def live_streams_for(redis_url: str | None) -> LiveStreams:
     """Through Redis when the gateway has one, else within this process."""
     if redis_url is None:
         return LocalLiveStreams()
+    timeout = LIVE_STREAM_TIMEOUT
     return RedisLiveStreams(
         redis=connect_redis(redis_url, timeout=timeout, connect_timeout=timeout),
         reader=connect_redis(redis_url, timeout=None, connect_timeout=timeout),
