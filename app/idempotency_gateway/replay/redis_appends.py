@@ -98,11 +98,15 @@ class Appender:
             return False
         return True
 
+    async def flushed(self) -> None:
+        """Until every entry handed over so far is sent, or given up."""
+        await self._idle.wait()
+
     async def close(self) -> None:
         """Send what is waiting (for at most the timeout), then stop."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._timeout):
-                await self._idle.wait()
+                await self.flushed()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
