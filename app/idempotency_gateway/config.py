@@ -346,7 +346,8 @@ MAX_CANONICAL_BODY: Final = 1024 * 1024
 
 
 class StreamingConfig(_Model):
-    """Event streams (``text/event-stream``) on a route (docs/CONTRACT.md, "Streams")."""
+    """Event streams (``text/event-stream``) on a route: docs/CONTRACT.md, "Event streams
+    that survive a dropped connection"."""
 
     # A duplicate of a request whose stream is still running gets what it produced so far
     # and follows it live, instead of a 409; a finished stream replays event by event.

@@ -221,7 +221,8 @@ class IdempotencyEngine:
         )
 
     async def _follow(self, request: KeyedRequest) -> bool:
-        """A duplicate of a stream in flight follows it (docs/CONTRACT.md, "Streams")."""
+        """A duplicate of a stream in flight follows it: docs/CONTRACT.md, "Event streams
+        that survive a dropped connection"."""
         followed = await follow_live(
             self.live_streams,
             request.send,

@@ -1,8 +1,9 @@
-"""Event streams on a ``streaming: {follow: true}`` route (docs/CONTRACT.md, "Streams").
+"""Event streams on a ``streaming: {follow: true}`` route: docs/CONTRACT.md, "Event streams
+that survive a dropped connection".
 
 The owner's streamed ``text/event-stream`` answer goes live (``replay.live_streams``) event
-by event, each before the owner's client has it: a client that saw an event and lost its
-connection finds that event when it comes back. A duplicate of the same request gets the
+by event, each handed over before the owner's client has it (in process it is there at once;
+through Redis its append is on its way). A duplicate of the same request gets the
 events so far and follows the rest; a finished stream replays event by event. Both start
 after the duplicate's ``Last-Event-ID`` (``sse.ResumeAfter``). The upstream's bytes are never
 rewritten: the gateway adds no ``id:`` lines.
