@@ -11,6 +11,7 @@ from idempotency_gateway.idempotency.sse import (
     parse_event,
     split_events,
 )
+from idempotency_gateway.idempotency.streams import is_event_stream
 
 MIXED_LINE_ENDS = b"data: a\n\nid: 2\r\ndata: b\r\n\r\n: ping\r\rdata: c\r\n\ndata: d"
 
@@ -101,3 +102,19 @@ def test_resume_after_last_event_id(
 ) -> None:
     resume = ResumeAfter(last_event_id)
     assert [raw for raw in events if resume.keep(raw)] == kept
+
+
+@pytest.mark.parametrize(
+    ("headers", "events"),
+    [
+        ([(b"content-type", b"text/event-stream")], True),
+        ([(b"Content-Type", b"Text/Event-Stream; charset=utf-8")], True),
+        ([(b"content-type", b"text/event-stream"), (b"content-encoding", b"identity")], True),
+        # Compressed: its bytes are not events, so it is never cut into events.
+        ([(b"content-type", b"text/event-stream"), (b"content-encoding", b"gzip")], False),
+        ([(b"content-type", b"application/json")], False),
+        ([], False),
+    ],
+)
+def test_which_answers_are_event_streams(headers: list[tuple[bytes, bytes]], events: bool) -> None:
+    assert is_event_stream(headers) is events

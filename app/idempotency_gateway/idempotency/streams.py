@@ -36,10 +36,14 @@ CUT_NOTICE = (
 
 
 def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
-    for name, value in headers:
-        if name.lower() == b"content-type":
-            return value.partition(b";")[0].strip().lower() == b"text/event-stream"
-    return False
+    """An event stream whose events the gateway can see. A compressed one (its bytes are the
+    compressor's, not events) is neither followed (a 409, as on any route) nor replayed
+    event by event (whole, as any answer)."""
+    fields = {name.lower(): value.partition(b";")[0].strip().lower() for name, value in headers}
+    return (
+        fields.get(b"content-type") == b"text/event-stream"
+        and fields.get(b"content-encoding", b"identity") == b"identity"
+    )
 
 
 def resume_of(scope: Scope) -> ResumeAfter:
