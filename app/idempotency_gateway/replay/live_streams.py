@@ -54,8 +54,6 @@ class LiveFollower(Protocol):
 
 
 class LiveStreams(Protocol):
-    shared_across_workers: bool
-
     def publish(
         self, key: RecordKey, head: StreamHead, *, max_bytes: int, idle: float
     ) -> LivePublisher:
@@ -142,8 +140,6 @@ class _LocalPublisher:
 
 class LocalLiveStreams:
     """Live streams within this process."""
-
-    shared_across_workers = False
 
     def __init__(self) -> None:
         self._streams: dict[str, _LocalStream] = {}

@@ -143,8 +143,6 @@ class _RedisFollower:
 class RedisLiveStreams:
     """Live streams every gateway process sharing the Redis can follow."""
 
-    shared_across_workers = True
-
     def __init__(self, *, redis: RedisClient, reader: RedisClient, timeout: float) -> None:
         """``redis``: quick calls (appends, the first look); ``reader``: followers' blocking
         reads, on a client with no socket timeout."""
