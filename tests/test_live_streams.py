@@ -3,7 +3,7 @@
 What the gateway tests cannot force: a batch of appends sent twice (as after a timeout that
 came once Redis had applied it) lands once; a new owner's stream replaces what an earlier
 owner of the key left; a stream past its size is cut for followers; a follower sees only
-the stream of its own request.
+the stream of its own request; with Redis away nothing waits for it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from idempotency_gateway.replay.redis_connection import connect_redis
 from idempotency_gateway.replay.redis_live_streams import RedisLiveStreams
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
+from tests.support import free_port
 
 HEAD = StreamHead("hash-a", 200, [(b"content-type", b"text/event-stream")])
 
@@ -132,3 +133,22 @@ async def test_a_batch_sent_twice_lands_once(
         (b"0-3", {b"e": b"two"}),
     ]
     assert 0 < await redis_client.ttl(name) <= 5
+
+
+async def test_with_redis_away_the_owner_goes_on_and_nobody_follows(key: RecordKey) -> None:
+    """Redis refusing every connection: publishing never fails or waits, a duplicate finds
+    no stream (it gets the 409), and the entries are given up once their stream is idle."""
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    live = RedisLiveStreams(
+        redis=connect_redis(nowhere, timeout=0.5, connect_timeout=0.5),
+        reader=connect_redis(nowhere, timeout=None, connect_timeout=0.5),
+        timeout=0.5,
+    )
+    try:
+        publisher = live.publish(key, HEAD, max_bytes=1024, idle=0.5)
+        publisher.event(b"data: 0\n\n")
+        publisher.end(StreamEnd.RECORDED)
+        assert await live.follow(key, "hash-a", idle=0.5) is None
+        await live.appender.flushed()  # given up: nothing waits for Redis any more
+    finally:
+        await live.close()
