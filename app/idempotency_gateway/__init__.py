@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         OnAmbiguous,
         OutcomeConfig,
         StoreConfig,
+        StreamingConfig,
         SweeperConfig,
     )
     from idempotency_gateway.errors import GatewayError
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from idempotency_gateway.replay.cache import InProcessCache
     from idempotency_gateway.replay.redis_cache import RedisCache
     from idempotency_gateway.replay.redis_connection import connect_redis
+    from idempotency_gateway.replay.redis_live_streams import live_streams_for
     from idempotency_gateway.storage.base import RecordStore
 
 try:
@@ -47,6 +49,7 @@ _HOMES = {
     "InProcessCache": "idempotency_gateway.replay.cache",
     "RedisCache": "idempotency_gateway.replay.redis_cache",
     "connect_redis": "idempotency_gateway.replay.redis_connection",
+    "live_streams_for": "idempotency_gateway.replay.redis_live_streams",
     "AnonymousPolicy": "idempotency_gateway.config",
     "CacheConfig": "idempotency_gateway.config",
     "IdempotencyConfig": "idempotency_gateway.config",
@@ -54,6 +57,7 @@ _HOMES = {
     "OnAmbiguous": "idempotency_gateway.config",
     "OutcomeConfig": "idempotency_gateway.config",
     "StoreConfig": "idempotency_gateway.config",
+    "StreamingConfig": "idempotency_gateway.config",
     "GatewayError": "idempotency_gateway.errors",
     "Execution": "idempotency_gateway.execution",
     "Outcome": "idempotency_gateway.execution",
@@ -81,12 +85,14 @@ __all__ = [
     "RecordStore",
     "RedisCache",
     "StoreConfig",
+    "StreamingConfig",
     "SweeperConfig",
     "__version__",
     "connect_redis",
     "idempotency_key",
     "idempotency_lifespan",
     "idempotent",
+    "live_streams_for",
     "upgrade_to_head",
 ]
 

@@ -112,7 +112,7 @@ class IdempotencyMiddleware:
             not be recorded is withheld from the client (its retry gets the answer of record).
         live_streams: where duplicates follow an event stream still in flight, on routes
             with ``streaming: {follow: true}``; ``None`` follows within this process
-            (pass a ``RedisLiveStreams`` to follow across processes).
+            (``live_streams_for(redis_url)`` follows across processes).
         request_log: give each request an ``X-Request-Id``, an access log line and the
             gateway's request metrics (labelled by route), as the gateway does; a request
             that already carries them (inside the gateway) is left as it is.
