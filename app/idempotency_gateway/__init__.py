@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         OnAmbiguous,
         OutcomeConfig,
         StoreConfig,
+        StreamingConfig,
         SweeperConfig,
     )
     from idempotency_gateway.errors import GatewayError
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.operations.lifespan import idempotency_lifespan
     from idempotency_gateway.replay.cache import InProcessCache
+    from idempotency_gateway.replay.live_streams import live_streams_for
     from idempotency_gateway.replay.redis_adapter import connect_redis
     from idempotency_gateway.replay.redis_cache import RedisCache
     from idempotency_gateway.storage.backends import open_store
@@ -51,6 +53,7 @@ _HOMES = {
     "InProcessCache": "idempotency_gateway.replay.cache",
     "RedisCache": "idempotency_gateway.replay.redis_cache",
     "connect_redis": "idempotency_gateway.replay.redis_adapter",
+    "live_streams_for": "idempotency_gateway.replay.live_streams",
     "AnonymousPolicy": "idempotency_gateway.config",
     "CacheConfig": "idempotency_gateway.config",
     "IdempotencyConfig": "idempotency_gateway.config",
@@ -58,6 +61,7 @@ _HOMES = {
     "OnAmbiguous": "idempotency_gateway.config",
     "OutcomeConfig": "idempotency_gateway.config",
     "StoreConfig": "idempotency_gateway.config",
+    "StreamingConfig": "idempotency_gateway.config",
     "GatewayError": "idempotency_gateway.errors",
     "Execution": "idempotency_gateway.execution",
     "Outcome": "idempotency_gateway.execution",
@@ -87,12 +91,14 @@ __all__ = [
     "RecordStore",
     "RedisCache",
     "StoreConfig",
+    "StreamingConfig",
     "SweeperConfig",
     "__version__",
     "connect_redis",
     "idempotency_key",
     "idempotency_lifespan",
     "idempotent",
+    "live_streams_for",
     "open_store",
     "upgrade_to_head",
 ]

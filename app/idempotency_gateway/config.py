@@ -345,6 +345,18 @@ DEFAULT_MAX_CANONICAL_BODY: Final = 64 * 1024
 MAX_CANONICAL_BODY: Final = 1024 * 1024
 
 
+class StreamingConfig(_Model):
+    """Event streams (``text/event-stream``) on a route: docs/CONTRACT.md, "Event streams
+    that survive a dropped connection"."""
+
+    # A duplicate of a request whose stream is still running gets what it produced so far
+    # and follows it live, instead of a 409; a finished stream replays event by event.
+    follow: bool = False
+    # A live stream that sends no event for this long is cut for its followers (who retry
+    # with Last-Event-ID and get the answer of record) and its Redis copy expires.
+    idle: Duration = 60.0
+
+
 class IdempotencyConfig(_Model):
     # The field that marks a replayed answer on this route; unset, the gateway-wide one.
     replay_header: HeaderName | None = None
@@ -368,6 +380,7 @@ class IdempotencyConfig(_Model):
     # How the gateway's own errors look on this route: RFC 9457 problems, or the body
     # Stripe's SDKs parse (for routes in front of a Stripe-compatible API).
     error_format: ErrorFormat = ErrorFormat.PROBLEM
+    streaming: StreamingConfig = StreamingConfig()
 
     @field_validator("methods", mode="before")
     @classmethod

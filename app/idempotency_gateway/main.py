@@ -47,6 +47,7 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
+from idempotency_gateway.replay.live_streams import live_streams_for
 from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.redis_cache import RedisCache
 from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
@@ -172,6 +173,7 @@ class Gateway:
             max_request_body=config.limits.max_request_body,
             store_unavailable=config.store_unavailable,
             finalize_attempts=config.store.finalize_attempts,
+            live_streams=live_streams_for(redis_url),
         )
         bulkheads = route_bulkheads(
             config.routes,

@@ -34,7 +34,9 @@ from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.policy import RoutePolicy
 from idempotency_gateway.idempotency.responses import ResponseCapture, send_stored, stored_problem
+from idempotency_gateway.idempotency.streams import StreamTee, follow_live, send_replay
 from idempotency_gateway.replay.cache import CachedAnswer, ReplayCache, expiry_of
+from idempotency_gateway.replay.live_streams import LiveStreams, LocalLiveStreams
 from idempotency_gateway.replay.wakeups import Wakeups
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.storage.base import Claim, RecordStore
@@ -107,16 +109,19 @@ class IdempotencyEngine:
         wakeups: Wakeups,
         finalize_attempts: int,
         orphans: OrphanReleases | None,
+        live_streams: LiveStreams | None = None,
     ) -> None:
         """``orphans``: where a claim whose outcome the store never reported goes to be
         released (``None``: left to its lease, for a caller that may still send the request
-        without the store)."""
+        without the store). ``live_streams``: where streams in flight are followed (``None``:
+        in this process)."""
         self.app = app
         self.store = store
         self.cache = cache
         self.wakeups = wakeups
         self.finalize_attempts = finalize_attempts
         self.orphans = orphans
+        self.live_streams = live_streams if live_streams is not None else LocalLiveStreams()
         # Executions run as tasks of their own so a client disconnect cannot cancel them;
         # kept here so shutdown can wait for them and the loop cannot drop them.
         self.executions: set[asyncio.Task[None]] = set()
@@ -132,7 +137,7 @@ class IdempotencyEngine:
                 note_outcome(request.scope, RequestOutcome.MISMATCH)
                 raise _mismatch()
             note_outcome(request.scope, RequestOutcome.REPLAYED)
-            await send_stored(request.send, cached.response, replayed=request.policy.replayed)
+            await self._replay(request, cached.response)
             return
         await self._decide_and_act(request)
 
@@ -160,14 +165,14 @@ class IdempotencyEngine:
                 answer = CachedAnswer.of(record, now=reservation.now, asked_at=sent_at)
                 if answer is not None:
                     await self.cache.put(answer)
-                await send_stored(
-                    request.send, record.response, replayed=request.policy.replayed, extra=waited
-                )
+                await self._replay(request, record.response, extra=waited)
                 return
             if action is Action.MISMATCH:
                 note_outcome(request.scope, RequestOutcome.MISMATCH)
                 raise _mismatch()
             if action is Action.IN_FLIGHT:
+                if request.config.streaming.follow and await self._follow(request):
+                    return
                 if request.wait > 0 and not waited:
                     # Parks on an event, holding no database connection; the re-reserve
                     # after it is the durable check, so a lost wake-up costs only time.
@@ -202,6 +207,34 @@ class IdempotencyEngine:
             "the record for this Idempotency-Key is changing hands; retry shortly",
             retry_after=IN_FLIGHT_RETRY_AFTER,
         )
+
+    async def _replay(
+        self, request: KeyedRequest, response: StoredResponse, extra: Headers | None = None
+    ) -> None:
+        await send_replay(
+            request.send,
+            response,
+            scope=request.scope,
+            config=request.config,
+            replayed=request.policy.replayed,
+            extra=extra or (),
+        )
+
+    async def _follow(self, request: KeyedRequest) -> bool:
+        """A duplicate of a stream in flight follows it: docs/CONTRACT.md, "Event streams
+        that survive a dropped connection"."""
+        followed = await follow_live(
+            self.live_streams,
+            request.send,
+            key=request.key,
+            request_hash=request.fingerprint,
+            scope=request.scope,
+            config=request.config,
+            marker=request.policy.replayed,
+        )
+        if followed:
+            note_outcome(request.scope, RequestOutcome.REPLAYED)
+        return followed
 
     def _orphaned(self, request: KeyedRequest, claim: Claim, error: StoreUnavailable) -> None:
         """A claim that failed on the gateway may still commit: its owner, which will never
@@ -265,13 +298,20 @@ class IdempotencyEngine:
             error_format=request.config.error_format,
             replay_marker=request.policy.replayed[0],
         )
+        tee = StreamTee(
+            capture,
+            self.live_streams,
+            key=request.key,
+            request_hash=request.fingerprint,
+            config=request.config,
+        )
         failure: GatewayError = OutcomeUnknown("the app failed")
         raised: Exception | None = None
         rendered = False  # the app's failure answer, made here: final whatever its status
         receive = replay_receive(request.body)
         async with run.heartbeat():
             try:
-                await self.app(inner_scope, receive, capture.send)
+                await self.app(inner_scope, receive, tee.send)
             except LeaseNotConfirmed as refusal:
                 # A library app that stopped before its side effect, as it should: the
                 # execution has already reported whether anything had left.
@@ -300,6 +340,7 @@ class IdempotencyEngine:
         )
         answer = self._answer_to_store(request, capture, status)
         recorded, published = await self._record(request, run, status, answer)
+        tee.end(recorded=recorded and capture.complete)
         replayed = False
         if recorded:
             # An app that raised before answering: the client gets what every retry will see.

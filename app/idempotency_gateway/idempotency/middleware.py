@@ -56,6 +56,7 @@ from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, re
 from idempotency_gateway.idempotency.prefer import requested_wait
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
+from idempotency_gateway.replay.live_streams import LiveStreams
 from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.storage.base import RecordStore
@@ -108,6 +109,9 @@ class IdempotencyMiddleware:
         finalize_attempts: the fewest tries at recording an outcome while the store does
             not answer; tries go on until the owner's lease runs out. An answer that could
             not be recorded is withheld from the client (its retry gets the answer of record).
+        live_streams: where duplicates follow an event stream still in flight, on routes
+            with ``streaming: {follow: true}``; ``None`` follows within this process
+            (``live_streams_for(redis_url)`` follows across processes).
         request_log: give each request an ``X-Request-Id``, an access log line and the
             gateway's request metrics (labelled by route), as the gateway does; a request
             that already carries them (inside the gateway) is left as it is.
@@ -127,6 +131,7 @@ class IdempotencyMiddleware:
         max_request_body: int = _LIMITS.max_request_body,
         store_unavailable: StoreUnavailablePolicy = DEFAULT_STORE_UNAVAILABLE,
         finalize_attempts: int = _STORE.finalize_attempts,
+        live_streams: LiveStreams | None = None,
         request_log: bool = True,
     ) -> None:
         self.app = app
@@ -155,6 +160,7 @@ class IdempotencyMiddleware:
                 if store_unavailable is StoreUnavailablePolicy.FAIL_CLOSED
                 else None
             ),
+            live_streams=live_streams,
         )
 
     @property
@@ -163,9 +169,11 @@ class IdempotencyMiddleware:
         return self.engine.executions
 
     async def close(self) -> None:
-        """Stop releasing orphaned claims (``idempotency.orphans``); call at shutdown."""
+        """Stop releasing orphaned claims (``idempotency.orphans``) and end the live streams
+        still open for followers; call at shutdown."""
         if self.engine.orphans is not None:
             await self.engine.orphans.close()
+        await self.engine.live_streams.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

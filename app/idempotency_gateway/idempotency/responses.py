@@ -195,12 +195,14 @@ class ResponseCapture:
             return
         self._chunks.append(chunk)
 
+    def kept_headers(self) -> Headers:
+        """The answer's fields as every replay repeats them (framing made anew)."""
+        return [(name, value) for name, value in self.headers if name.lower() not in _NOT_STORED]
+
     def stored_response(self) -> StoredResponse:
         assert self.status is not None, "no response was started"
         headers = [
-            (name.decode("latin-1"), value.decode("latin-1"))
-            for name, value in self.headers
-            if name.lower() not in _NOT_STORED
+            (name.decode("latin-1"), value.decode("latin-1")) for name, value in self.kept_headers()
         ]
         body = b"" if self.body_omitted else b"".join(self._chunks)
         return StoredResponse(self.status, headers, body, self.body_omitted)
@@ -232,16 +234,22 @@ async def send_stored(
     *,
     replayed: tuple[bytes, bytes] | None,
     extra: Sequence[tuple[bytes, bytes]] = (),
+    pieces: Sequence[bytes] | None = None,
 ) -> None:
-    """Send a stored answer; ``replayed`` is the route's replay marker field when it is one."""
+    """Send a stored answer; ``replayed`` is the route's replay marker field when it is one.
+    ``pieces``: the body to send instead, one message each (a stream's events)."""
+    pieces = (response.body,) if pieces is None else pieces
     headers: Headers = [
         (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
     ]
-    headers.append((b"content-length", str(len(response.body)).encode()))
+    headers.append((b"content-length", str(sum(map(len, pieces))).encode()))
     if replayed is not None:
         headers.append(replayed)
     if response.body_omitted:
         headers.append(BODY_OMITTED_HEADER)
     headers.extend(extra)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})
+    for piece in pieces[:-1]:
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+    last = pieces[-1] if pieces else b""
+    await send({"type": "http.response.body", "body": last, "more_body": False})

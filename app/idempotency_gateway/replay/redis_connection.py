@@ -24,7 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
-from idempotency_gateway.replay.redis_adapter import RedisUnavailable, uses_tls
+from idempotency_gateway.replay.redis_adapter import RedisUnavailable, is_cluster_url, uses_tls
 
 # What a Redis call raises when Redis is down, slow, refusing or killed mid-call: redis-py's
 # own errors (``RedisClusterException`` is not a ``RedisError``: a slot no live node covers),
@@ -42,6 +42,8 @@ REDIS_FAILURES: tuple[type[Exception], ...] = (
 # concurrent reconnect of a cluster node dropped. Only caught around a call into redis-py:
 # the same errors raised by the gateway's own code are bugs, and propagate.
 TORN_CONNECTION: tuple[type[Exception], ...] = (RuntimeError, AttributeError)
+# Both, for the callers that use redis-py's clients directly (the live streams).
+FAILED_CALL: tuple[type[Exception], ...] = (*REDIS_FAILURES, *TORN_CONNECTION)
 
 
 @contextlib.contextmanager
@@ -49,7 +51,7 @@ def redis_failures() -> Iterator[None]:
     """Around every call into redis-py: Redis failing becomes ``RedisUnavailable``."""
     try:
         yield
-    except (*REDIS_FAILURES, *TORN_CONNECTION) as exc:
+    except FAILED_CALL as exc:
         raise RedisUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -177,3 +179,14 @@ class NodeSubscriber:
     async def close(self) -> None:
         with redis_failures():
             await self._client.aclose()
+
+
+RedisClient = Redis | RedisCluster
+
+
+def redis_client(url: str, *, timeout: float | None, connect_timeout: float) -> RedisClient:
+    """A redis-py client for the commands the adapter does not offer (the live streams'
+    XADD, XRANGE and XREAD), one node or a cluster as the URL says."""
+    if is_cluster_url(url):
+        return cluster_client(url, timeout=timeout, connect_timeout=connect_timeout)
+    return node_client(url, timeout=timeout, connect_timeout=connect_timeout)

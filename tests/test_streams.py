@@ -1,0 +1,352 @@
+"""Event streams that survive a dropped connection, across real gateway processes.
+
+A fake LLM (``TokenUpstream``) streams one SSE event per token at the pace the test releases
+them. Two gateway processes share PostgreSQL and Redis, and two more share only PostgreSQL.
+While the first execution of a key streams, a duplicate (same client, same request) through
+any process of the Redis pair gets the events so far and follows the rest, after its
+``Last-Event-ID`` when it sends one; without Redis only the owner's own process can follow.
+The upstream runs once for every key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from idempotency_gateway.idempotency.streams import CUT_NOTICE
+from tests.support import GatewayProcess, eventually, write_config
+from tests.support.event_stream_client import RawEventStream
+from tests.support.llm_upstream import TokenUpstream, chat, whole_output
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.asyncio(loop_scope="module")]
+
+CHAT = "/v1/chat"
+# A route whose record keeps a body of at most SMALL bytes.
+SMALL_CHAT, SMALL = "/v1/small/chat", 1024
+# A route whose followers are cut after a second without an event.
+IDLE_CHAT = "/v1/idle/chat"
+# Room for the slow follower's stream, far more than any socket buffer holds.
+BIG_STREAM = 16 * 1024 * 1024
+
+
+def config(upstream_url: str) -> dict[str, Any]:
+    return {
+        "upstreams": {
+            "llm": {
+                "url": upstream_url,
+                "timeouts": {"connect": "1s", "per_try": "120s", "total": "120s"},
+            }
+        },
+        "routes": [
+            {
+                "name": "small",
+                "match": {"path_prefix": "/v1/small/"},
+                "upstream": "llm",
+                "idempotency": {"max_stored_body": SMALL, "streaming": {"follow": True}},
+            },
+            {
+                "name": "idle",
+                "match": {"path_prefix": "/v1/idle/"},
+                "upstream": "llm",
+                "idempotency": {"streaming": {"follow": True, "idle": "1s"}},
+            },
+            {
+                "name": "chat",
+                "match": {"path_prefix": "/"},
+                "upstream": "llm",
+                "idempotency": {
+                    "key": "required",
+                    "lease": "30s",
+                    "max_stored_body": BIG_STREAM,
+                    "streaming": {"follow": True},
+                },
+            },
+        ],
+        "lifecycle": {"drain_grace": "0s"},
+    }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def llm() -> AsyncIterator[TokenUpstream]:
+    async with TokenUpstream() as upstream:
+        yield upstream
+
+
+async def _gateways(
+    tmp_path: Path, llm: TokenUpstream, env: dict[str, str], names: tuple[str, str]
+) -> AsyncIterator[tuple[GatewayProcess, GatewayProcess]]:
+    path = write_config(tmp_path, config(llm.url), name=f"{names[0]}.yaml")
+    pair = tuple(GatewayProcess(path, env=env, log_dir=tmp_path, name=name) for name in names)
+    try:
+        await asyncio.gather(*(gateway.start() for gateway in pair))
+        yield pair[0], pair[1]
+    finally:
+        await asyncio.gather(*(gateway.stop() for gateway in pair), return_exceptions=True)
+        for gateway in pair:
+            print(f"--- {gateway.name} log tail ---\n{gateway.log_tail()}")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def with_redis(
+    tmp_path_factory: pytest.TempPathFactory, llm: TokenUpstream, postgres_url: str, redis_url: str
+) -> AsyncIterator[tuple[GatewayProcess, GatewayProcess]]:
+    env = {"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_REDIS_URL": redis_url}
+    async for pair in _gateways(tmp_path_factory.mktemp("redis"), llm, env, ("ra", "rb")):
+        yield pair
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def without_redis(
+    tmp_path_factory: pytest.TempPathFactory, llm: TokenUpstream, postgres_url: str
+) -> AsyncIterator[tuple[GatewayProcess, GatewayProcess]]:
+    env = {"GATEWAY_DATABASE_URL": postgres_url}
+    async for pair in _gateways(tmp_path_factory.mktemp("local"), llm, env, ("la", "lb")):
+        yield pair
+
+
+def keyed(key: str, last_event_id: bytes | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [
+        (b"Authorization", b"Bearer sk_streams"),
+        (b"Idempotency-Key", key.encode()),
+        (b"Content-Type", b"application/json"),
+    ]
+    if last_event_id is not None:
+        headers.append((b"Last-Event-ID", last_event_id))
+    return headers
+
+
+class Clients:
+    """Opens keyed streams to a gateway; closes every one of them when the test ends."""
+
+    def __init__(self) -> None:
+        self.opened: list[RawEventStream] = []
+
+    async def post(
+        self,
+        gateway: GatewayProcess,
+        key: str,
+        body: bytes,
+        *,
+        last_event_id: bytes | None = None,
+        receive_buffer: int | None = None,
+        path: str = CHAT,
+    ) -> RawEventStream:
+        stream = await RawEventStream.open(
+            gateway.port, path, keyed(key, last_event_id), body, receive_buffer=receive_buffer
+        )
+        self.opened.append(stream)
+        return stream
+
+    async def follow(
+        self, gateway: GatewayProcess, key: str, body: bytes, **options: Any
+    ) -> RawEventStream:
+        """A duplicate that follows (``options`` as ``post`` takes them): through Redis the
+        stream's first append may still be on its way (a 409, the contract says), so it
+        retries as a client would."""
+
+        async def followed() -> RawEventStream | None:
+            stream = await self.post(gateway, key, body, **options)
+            return None if stream.status == 409 else stream
+
+        return await eventually(followed, timeout=10.0, message="a follower's answer")
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def clients() -> AsyncIterator[Clients]:
+    opened = Clients()
+    try:
+        yield opened
+    finally:
+        for stream in opened.opened:
+            await stream.close()
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Two gateway processes, the upstream behind them and the test's clients."""
+
+    first: GatewayProcess
+    other: GatewayProcess
+    llm: TokenUpstream
+    clients: Clients
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def fleet(
+    with_redis: tuple[GatewayProcess, GatewayProcess], llm: TokenUpstream, clients: Clients
+) -> Fleet:
+    return Fleet(*with_redis, llm, clients)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def local(
+    without_redis: tuple[GatewayProcess, GatewayProcess], llm: TokenUpstream, clients: Clients
+) -> Fleet:
+    return Fleet(*without_redis, llm, clients)
+
+
+@pytest.mark.parametrize(("ids", "last_event_id"), [(True, b"2"), (False, b"3")])
+async def test_a_dropped_client_resumes_through_another_process(
+    fleet: Fleet, unique: Any, ids: bool, last_event_id: bytes
+) -> None:
+    """By the upstream's ids (the third event is ``id: 2``), or by count without them."""
+    key, body = unique("resume"), chat(8, ids=ids)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 3)
+    seen = await first.events(3)
+    first.drop()
+
+    retry = await fleet.clients.follow(fleet.other, key, body, last_event_id=last_event_id)
+    assert (retry.status, retry.headers["idempotent-replayed"]) == (200, "true")
+    assert retry.headers["content-type"].startswith("text/event-stream")
+    fleet.llm.release(key, 5)
+    rest = await retry.rest()
+    assert retry.whole
+    assert b"".join(seen) + rest == b"".join(whole_output(8, ids=ids))
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_a_late_follower_gets_the_stream_from_its_start(fleet: Fleet, unique: Any) -> None:
+    key, body, expected = unique("late"), chat(6), b"".join(whole_output(6))
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 2)
+    await first.events(2)
+    follower = await fleet.clients.follow(fleet.other, key, body)
+    same_process = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 4)
+    assert await follower.rest() == expected
+    assert await same_process.rest() == expected
+    assert follower.whole
+    assert same_process.whole
+    await first.rest()
+    assert first.whole
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_a_finished_stream_replays_after_last_event_id(fleet: Fleet, unique: Any) -> None:
+    key, body, events = unique("finished"), chat(5, ids=True), whole_output(5, ids=True)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 5)
+    assert await first.rest() == b"".join(events)
+    assert first.whole
+
+    resumed = await fleet.clients.post(fleet.other, key, body, last_event_id=b"1")
+    assert (resumed.status, resumed.headers["idempotent-replayed"]) == (200, "true")
+    assert await resumed.events(3) == events[2:]
+    assert await resumed.rest() == b""
+    assert resumed.whole
+    whole = await fleet.clients.post(fleet.other, key, body)
+    assert await whole.rest() == b"".join(events)
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_a_different_request_with_the_key_gets_422_while_it_streams(
+    fleet: Fleet, unique: Any
+) -> None:
+    key = unique("mismatch")
+    first = await fleet.clients.post(fleet.first, key, chat(3))
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    for gateway in (fleet.first, fleet.other):
+        other = await fleet.clients.post(gateway, key, chat(4), last_event_id=b"1")
+        assert other.status == 422
+        assert b"token" not in await other.rest()
+    fleet.llm.release(key, 2)
+    assert len(await first.events(2)) == 2
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_without_redis_only_the_owners_process_follows(local: Fleet, unique: Any) -> None:
+    key, body, events = unique("local"), chat(4), whole_output(4)
+    first = await local.clients.post(local.first, key, body)
+    local.llm.release(key, 1)
+    seen = await first.events(1)
+    first.drop()
+
+    elsewhere = await local.clients.post(local.other, key, body, last_event_id=b"1")
+    assert elsewhere.status == 409
+    assert elsewhere.headers["retry-after"] == "1"
+    await elsewhere.rest()
+    retry = await local.clients.post(local.first, key, body, last_event_id=b"1")
+    assert retry.status == 200
+    local.llm.release(key, 3)
+    assert [*seen, await retry.rest()] == [events[0], b"".join(events[1:])]
+    assert retry.whole
+    assert local.llm.calls[key] == 1
+
+
+async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
+    fleet: Fleet, unique: Any
+) -> None:
+    """Eight megabytes of events, far beyond what the stalled follower's socket and the
+    gateway's write buffer hold: the first client still gets every one of them."""
+    tokens, padding = 2000, 4096
+    key, body = unique("slow"), chat(tokens, padding=padding)
+    expected = b"".join(whole_output(tokens, padding=padding))
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    stalled = await fleet.clients.follow(fleet.other, key, body, receive_buffer=4096)
+    assert stalled.status == 200
+    fleet.llm.release(key, tokens - 1)
+    rest = await first.rest()
+    assert first.whole
+    assert len(rest) == len(expected) - len(expected.partition(b"\n\n")[0]) - 2
+    # Read at last, the follower's copy is whole as well: it was read from the recorded part.
+    late = await stalled.rest()
+    assert late == expected
+    assert stalled.whole
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_a_stream_beyond_the_record_limit_is_cut_for_followers(
+    fleet: Fleet, unique: Any
+) -> None:
+    """The follower sees the cut (an SSE comment, no end of body); the first client gets the
+    whole stream, and the record says its body was too large to keep, as without followers."""
+    key, body = unique("large"), chat(100)
+    events = whole_output(100)
+    assert len(b"".join(events)) > SMALL
+    first = await fleet.clients.post(fleet.first, key, body, path=SMALL_CHAT)
+    fleet.llm.release(key, 2)
+    await first.events(2)
+    follower = await fleet.clients.follow(fleet.other, key, body, path=SMALL_CHAT)
+    fleet.llm.release(key, 98)
+    assert await first.rest() == b"".join(events[2:])
+    assert first.whole
+    cut = await follower.rest()
+    assert not follower.whole
+    assert cut.endswith(CUT_NOTICE)
+    assert b"".join(events).startswith(cut.removesuffix(CUT_NOTICE))
+
+    of_record = await fleet.clients.post(fleet.other, key, body, path=SMALL_CHAT)
+    assert (of_record.status, of_record.headers["idempotency-body-omitted"]) == (200, "true")
+    assert await of_record.rest() == b""
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_a_follower_is_cut_when_the_stream_goes_idle(fleet: Fleet, unique: Any) -> None:
+    """The follower is cut once the upstream has been silent for the route's ``idle``; the
+    owner's client still gets the whole stream, and the cut follower's retry with its
+    ``Last-Event-ID`` gets the rest from the record."""
+    key, body, events = unique("idle"), chat(3), whole_output(3)
+    first = await fleet.clients.post(fleet.first, key, body, path=IDLE_CHAT)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    follower = await fleet.clients.follow(fleet.other, key, body, path=IDLE_CHAT)
+    assert await follower.rest() == events[0] + CUT_NOTICE
+    assert not follower.whole
+
+    fleet.llm.release(key, 2)
+    assert await first.rest() == b"".join(events[1:])
+    assert first.whole
+    resumed = await fleet.clients.post(fleet.other, key, body, path=IDLE_CHAT, last_event_id=b"1")
+    assert await resumed.rest() == b"".join(events[1:])
+    assert resumed.whole
+    assert fleet.llm.calls[key] == 1
