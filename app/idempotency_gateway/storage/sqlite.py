@@ -47,9 +47,10 @@ def to_text(moment: datetime) -> str:
     """A time as the store keeps it: naive UTC, ``YYYY-MM-DD HH:MM:SS.ffffff``.
 
     SQLite has no time type, so times are text and every comparison of them is a text
-    comparison: one fixed-width form makes text order time order. It is the form SQLAlchemy's
-    SQLite ``DateTime`` writes, which the files of earlier releases hold (their admin paths
-    wrote through SQLAlchemy) and the migrations keep; a row written before and one written
+    comparison: one fixed-width form makes text order time order. It is the form of
+    SQLAlchemy's SQLite ``DateTime``, the type the migrations give these columns: files of
+    earlier releases hold it (their admin paths wrote through SQLAlchemy), the migrations'
+    table copies keep it, and SQLAlchemy reads it back. A row written then and one written
     now must compare correctly, so the form cannot change.
     """
     return moment.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
