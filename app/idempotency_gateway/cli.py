@@ -118,6 +118,7 @@ def _run_server(
 ) -> int:
     from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
+    from idempotency_gateway.idempotency.webhooks import check_webhook_secrets
     from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
@@ -125,6 +126,7 @@ def _run_server(
     database_url = database_url_or_default(settings.database_url)
     # Refuse here, with a clear message, rather than in every worker.
     check_admin_token(settings.admin_token)
+    check_webhook_secrets(config.routes)
     resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.
