@@ -81,7 +81,7 @@ def refusal(data: dict[str, Any]) -> str:
         (webhook(unsigned=UNSIGNED_OPT_OUT), "not both"),
         (webhook(signature={"scheme": "github", "secrets": []}), "at least 1"),
         (webhook(signature={"scheme": "hmac", "secrets": ["S"]}), "standard-webhooks"),
-        (webhook(signature={"scheme": "github", "secrets": ["NOT A NAME"]}), "variable name"),
+        (webhook(signature={"scheme": "github", "secrets": ["NOT A NAME"]}), "should match"),
         (webhook(signature={**SIGNED, "tolerance": "5m"}), "GitHub signs no timestamp"),
         (
             webhook(signature={"scheme": "standard-webhooks", "secrets": ["S"], "tolerance": "6m"}),

@@ -96,6 +96,15 @@ def _checked(config: GatewayConfig, *, source: str) -> GatewayConfig:
     return config
 
 
+def _servable(config: GatewayConfig) -> GatewayConfig:
+    """``config``, once every webhook secret it names is in the environment: checked here, at
+    start and on each reload, so a missing one is refused once, never first in a worker."""
+    from idempotency_gateway.idempotency.webhooks import check_webhook_secrets
+
+    check_webhook_secrets(config.routes)
+    return config
+
+
 def _serve(args: argparse.Namespace) -> int:
     settings = environment_settings()
     config = _resolve_config(args, settings)
@@ -118,7 +127,6 @@ def _run_server(
 ) -> int:
     from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
-    from idempotency_gateway.idempotency.webhooks import check_webhook_secrets
     from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
@@ -126,7 +134,7 @@ def _run_server(
     database_url = database_url_or_default(settings.database_url)
     # Refuse here, with a clear message, rather than in every worker.
     check_admin_token(settings.admin_token)
-    check_webhook_secrets(config.routes)
+    _servable(config)
     resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.
@@ -155,7 +163,7 @@ def _run_server(
         limits=config.limits,
         gateway_config=config,
         # SIGHUP reads the same source again: the file (--config or GATEWAY_CONFIG).
-        reload_config=lambda: _resolve_config(args, environment_settings()),
+        reload_config=lambda: _servable(_resolve_config(args, environment_settings())),
         drain=DrainState(drain_marker),
     )
 

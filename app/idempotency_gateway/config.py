@@ -357,16 +357,7 @@ SCHEME_TOLERANCE: Final[dict[SignatureScheme, float]] = {
 # longer window could never be honoured; a shorter one can.
 STANDARD_WEBHOOKS_MAX_TOLERANCE: Final = 300.0
 
-_ENVIRONMENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _environment_name(value: str) -> str:
-    if not _ENVIRONMENT_NAME.fullmatch(value):
-        raise ValueError(f"{value!r} is not an environment variable name")
-    return value
-
-
-EnvironmentName = Annotated[str, AfterValidator(_environment_name)]
+EnvironmentName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 class SignatureConfig(_Model):
