@@ -89,6 +89,7 @@ def refusal(data: dict[str, Any]) -> str:
         ),
         (webhook(signature={"scheme": "stripe", "secrets": ["S"], "tolerance": 0}), "zero"),
         (webhook(secret="inline"), "secret"),
+        (webhook(delivery_id={"header": "X-Delivery"}), "covers webhook-id, not x-delivery"),
     ],
 )
 def test_check_config_refuses_webhook_nonsense(data: dict[str, Any], words: str) -> None:

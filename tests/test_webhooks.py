@@ -22,6 +22,7 @@ import pytest
 import pytest_asyncio
 import stripe
 
+from idempotency_gateway.config import UNSIGNED_OPT_OUT
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
 from tests.support.gateway import gateway_config, route
 from tests.support.problems import assert_problem
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 STANDARD, GITHUB, STRIPE, SHOPS = "/hooks/standard", "/hooks/github", "/hooks/stripe", "/shops"
 SENDER_A, SENDER_B = "/hooks/sender-a", "/hooks/sender-b"
+UNSIGNED = "/hooks/unsigned"
 # Past both schemes' 300 s default and the Stripe route's 120 s.
 STALE = 400
 STRIPE_TOLERANCE = 120
@@ -111,6 +113,15 @@ def webhook_config(upstream_url: str) -> dict[str, Any]:
                 operation="deliveries",
             )
             for prefix, name in ((SENDER_A, "sender-a"), (SENDER_B, "sender-b"))
+        ),
+        route(
+            UNSIGNED,
+            methods=["POST"],
+            webhook={
+                "delivery_id": {"header": "X-Delivery"},
+                "tenant": {"name": "internal"},
+                "unsigned": UNSIGNED_OPT_OUT,
+            },
         ),
     ]
     config = gateway_config(upstream_url, routes=routes, retry={"max_attempts": 1})
@@ -452,6 +463,22 @@ async def test_two_senders_under_one_operation_keep_their_delivery_ids_apart(
     assert [answer.status_code for answer in answers] == [201, 201]
     assert all("Idempotent-Replayed" not in answer.headers for answer in answers)
     assert len(carrying(upstream, delivery_id)) == 2
+
+
+async def test_a_route_spelled_unsigned_dedupes_without_a_signature(
+    client: httpx.AsyncClient, upstream: RecordingUpstream
+) -> None:
+    delivery_id = new_id("internal")
+    body = event(delivery_id)
+    answers = [
+        await client.post(UNSIGNED, content=body, headers={"X-Delivery": delivery_id})
+        for _ in range(2)
+    ]
+    assert [answer.status_code for answer in answers] == [201, 201]
+    assert answers[1].headers["Idempotent-Replayed"] == "true"
+    assert len(carrying(upstream, delivery_id)) == 1
+    missing = await client.post(UNSIGNED, content=event(new_id("internal")))
+    assert_problem(missing, 400, "webhook-delivery-unidentified")
 
 
 @pytest.mark.parametrize(

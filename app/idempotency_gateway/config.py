@@ -356,6 +356,7 @@ SCHEME_TOLERANCE: Final[dict[SignatureScheme, float]] = {
 # The standardwebhooks package refuses timestamps more than 5 minutes off itself, so a
 # longer window could never be honoured; a shorter one can.
 STANDARD_WEBHOOKS_MAX_TOLERANCE: Final = 300.0
+STANDARD_WEBHOOKS_ID: Final = "webhook-id"
 
 EnvironmentName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
@@ -456,6 +457,17 @@ class WebhookConfig(_Model):
             )
         if self.signature is not None and self.unsigned is not None:
             raise ValueError("give a signature or unsigned, not both")
+        header = self.delivery_id.header
+        if (
+            self.signature is not None
+            and self.signature.scheme is SignatureScheme.STANDARD_WEBHOOKS
+            and header not in (None, STANDARD_WEBHOOKS_ID)
+        ):
+            # Only webhook-id is signed: any other header could be set to the next id.
+            raise ValueError(
+                f"a standard-webhooks signature covers {STANDARD_WEBHOOKS_ID}, not {header}: "
+                f"take the delivery id from {STANDARD_WEBHOOKS_ID} or a JSON Pointer"
+            )
         return self
 
 
