@@ -368,6 +368,25 @@ async def test_stripe_signatures_are_held_to_the_routes_tolerance(
     assert carrying(upstream, event_id) == []
 
 
+async def test_the_signature_covers_the_bytes_sent_not_the_json_they_mean(
+    client: httpx.AsyncClient, upstream: RecordingUpstream
+) -> None:
+    """The fingerprint compares JSON canonically; the signature never does: the same event
+    with its keys in another order and other spacing is other bytes, unsigned."""
+    event_id = new_id("evt")
+    body = event(event_id)
+    signature = stripe_signature(STRIPE_SECRET, body)
+    reordered = json.dumps(dict(reversed(json.loads(body).items())), indent=1).encode()
+    assert json.loads(reordered) == json.loads(body)
+
+    refused = await client.post(STRIPE, content=reordered, headers={"Stripe-Signature": signature})
+    assert_refused(refused)
+    accepted = await client.post(STRIPE, content=body, headers={"Stripe-Signature": signature})
+    assert accepted.status_code == 201, accepted.text
+    (executed,) = carrying(upstream, event_id)
+    assert executed.body == body
+
+
 async def test_a_stripe_field_with_one_matching_v1_among_several_verifies(
     client: httpx.AsyncClient, upstream: RecordingUpstream
 ) -> None:
