@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from idempotency_gateway.config import (
     UNSIGNED_OPT_OUT,
@@ -26,11 +28,19 @@ from idempotency_gateway.config import (
     validate_config,
 )
 from idempotency_gateway.errors import WebhookSignatureInvalid
+from idempotency_gateway.webhooks.github import GitHubSignature
 from idempotency_gateway.webhooks.pointer import reference_tokens, resolve
+from idempotency_gateway.webhooks.standard import StandardWebhooksSignature
 from idempotency_gateway.webhooks.stripe import StripeSignature
 from tests.support import write_config
 from tests.support.clock import ManualClock
-from tests.support.webhooks import STRIPE_SECRET, stripe_signature
+from tests.support.webhooks import (
+    GITHUB_SECRET,
+    STANDARD_SECRET,
+    STRIPE_SECRET,
+    stripe_signature,
+    unix_now,
+)
 
 SIGNED = {"scheme": "github", "secrets": ["HOOK_SECRET"]}
 
@@ -237,3 +247,50 @@ def test_a_stripe_timestamp_is_held_to_the_tolerance_to_the_second(
     # The same signature over other bytes never verifies: the body is signed as sent.
     with pytest.raises(WebhookSignatureInvalid):
         verifier.verify(headers, body + b" ")
+
+
+VERIFIERS = (
+    StandardWebhooksSignature([STANDARD_SECRET], tolerance=300.0),
+    GitHubSignature([GITHUB_SECRET]),
+    StripeSignature([STRIPE_SECRET], tolerance=300.0),
+)
+# Shaped like real fields often enough to get past the parsing into each scheme's comparison
+# (the package's verify included): a timestamp of now, "v1,<base64>" lists, "t=...,v1=..."
+# items, "sha256=<hex>"; or any bytes at all.
+now = st.builds(lambda: str(unix_now()).encode())
+anything = st.binary(max_size=80)
+FIELDS = {
+    b"webhook-id": st.one_of(st.from_regex(rb"\A[!-~]{1,40}\Z"), anything),
+    b"webhook-timestamp": st.one_of(now, anything),
+    b"webhook-signature": st.one_of(
+        st.lists(st.from_regex(rb"\Av1,[A-Za-z0-9+/=]{0,48}\Z"), max_size=3).map(b" ".join),
+        anything,
+    ),
+    b"x-hub-signature-256": st.one_of(st.from_regex(rb"\Asha256=[0-9a-fA-F]{0,64}\Z"), anything),
+    b"stripe-signature": st.one_of(
+        st.tuples(now, st.lists(st.from_regex(rb"\A(v1|v0|t)=[0-9a-f]{0,64}\Z"), max_size=3)).map(
+            lambda parts: b",".join([b"t=" + parts[0], *parts[1]])
+        ),
+        anything,
+    ),
+}
+every_field_once = st.fixed_dictionaries(FIELDS).map(lambda fields: list(fields.items()))
+any_fields = st.lists(
+    st.sampled_from(list(FIELDS)).flatmap(lambda name: st.tuples(st.just(name), FIELDS[name])),
+    max_size=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fields=st.one_of(every_field_once, any_fields),
+    body=st.binary(max_size=120),
+)
+def test_any_signature_fields_are_refused_cleanly_never_crash_or_verify(
+    fields: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    """Whatever a forger sends (no secret), every scheme refuses it with its 401, never an
+    exception of its own (a 500): the package's too, on bytes that are not UTF-8."""
+    for verifier in VERIFIERS:
+        with pytest.raises(WebhookSignatureInvalid):
+            verifier.verify(fields, body)
