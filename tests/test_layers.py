@@ -35,7 +35,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"target"}),
     frozenset({"routing"}),
     frozenset({"telemetry", "server", "drain"}),
-    frozenset({"resilience"}),
+    frozenset({"resilience", "webhooks"}),
     frozenset({"storage"}),
     frozenset({"replay"}),
     frozenset({"idempotency", "proxy"}),

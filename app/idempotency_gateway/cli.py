@@ -102,6 +102,15 @@ def _checked(config: GatewayConfig, *, source: str) -> GatewayConfig:
     return config
 
 
+def _servable(config: GatewayConfig) -> GatewayConfig:
+    """``config``, once every webhook secret it names is in the environment: checked here, at
+    start and on each reload, so a missing one is refused once, never first in a worker."""
+    from idempotency_gateway.idempotency.webhooks import check_webhook_secrets
+
+    check_webhook_secrets(config.routes)
+    return config
+
+
 def _serve(args: argparse.Namespace) -> int:
     require_server()
     settings = environment_settings()
@@ -135,6 +144,7 @@ def _run_server(
     if settings.redis_url is not None:
         require_redis()
     check_admin_token(settings.admin_token)
+    _servable(config)
     resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.
@@ -163,7 +173,7 @@ def _run_server(
         limits=config.limits,
         gateway_config=config,
         # SIGHUP reads the same source again: the file (--config or GATEWAY_CONFIG).
-        reload_config=lambda: _resolve_config(args, environment_settings()),
+        reload_config=lambda: _servable(_resolve_config(args, environment_settings())),
         drain=DrainState(drain_marker),
     )
 

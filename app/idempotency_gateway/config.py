@@ -14,7 +14,7 @@ from decimal import Decimal
 from enum import StrEnum
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -340,6 +340,137 @@ class OutcomeConfig(_Model):
     ambiguous: frozenset[int] = frozenset({502, 504})
 
 
+class SignatureScheme(StrEnum):
+    STANDARD_WEBHOOKS = "standard-webhooks"
+    GITHUB = "github"
+    STRIPE = "stripe"
+
+
+# The replay windows the schemes themselves define. GitHub signs no timestamp, so a GitHub
+# route has none: a captured delivery stays valid, and only the record (for its ttl) stops it
+# from executing twice.
+SCHEME_TOLERANCE: Final[dict[SignatureScheme, float]] = {
+    SignatureScheme.STANDARD_WEBHOOKS: 300.0,
+    SignatureScheme.STRIPE: 300.0,
+}
+# The standardwebhooks package refuses timestamps more than 5 minutes off itself, so a
+# longer window could never be honoured; a shorter one can.
+STANDARD_WEBHOOKS_MAX_TOLERANCE: Final = 300.0
+STANDARD_WEBHOOKS_ID: Final = "webhook-id"
+
+EnvironmentName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+
+class SignatureConfig(_Model):
+    """How a webhook route verifies its sender: the scheme, and the environment variables
+    that hold its secrets (several while one is rotated out; the file never holds one)."""
+
+    scheme: SignatureScheme
+    secrets: tuple[EnvironmentName, ...] = Field(min_length=1)
+    # Unset: the scheme's own window (SCHEME_TOLERANCE).
+    tolerance: Duration | None = None
+
+    @model_validator(mode="after")
+    def _tolerance_the_scheme_has(self) -> SignatureConfig:
+        if self.tolerance is None:
+            return self
+        if self.scheme is SignatureScheme.GITHUB:
+            raise ValueError("GitHub signs no timestamp: a github signature has no tolerance")
+        if self.tolerance <= 0:
+            raise ValueError("tolerance must be greater than zero")
+        if (
+            self.scheme is SignatureScheme.STANDARD_WEBHOOKS
+            and self.tolerance > STANDARD_WEBHOOKS_MAX_TOLERANCE
+        ):
+            raise ValueError("a standard-webhooks tolerance can be at most 5m (the scheme's own)")
+        return self
+
+
+# RFC 6901: "/" then reference tokens, where "~" only ever starts "~0" or "~1".
+_JSON_POINTER = re.compile(r"(?:/(?:[^~/]|~[01])*)+")
+
+
+def _json_pointer(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(
+            f"{value!r} is not a JSON Pointer: it starts with '/', such as /id or /data/id"
+        )
+    if not _JSON_POINTER.fullmatch(value):
+        raise ValueError(f"{value!r}: a '~' in a JSON Pointer is ~0 ('~') or ~1 ('/')")
+    return value
+
+
+JsonPointer = Annotated[str, AfterValidator(_json_pointer)]
+
+
+def _exactly_one(model: BaseModel, *fields: str) -> None:
+    given = [name for name in fields if getattr(model, name) is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of {' or '.join(fields)}")
+
+
+class DeliveryIdConfig(_Model):
+    """Where a webhook's delivery id (its idempotency key) is: a header the sender sets
+    (``webhook-id``, ``x-github-delivery``) or a JSON Pointer into the body (Stripe's ``/id``)."""
+
+    header: LowerHeaderName | None = None
+    json_pointer: JsonPointer | None = None
+
+    @model_validator(mode="after")
+    def _one_place(self) -> DeliveryIdConfig:
+        _exactly_one(self, "header", "json_pointer")
+        return self
+
+
+class TenantConfig(_Model):
+    """Whose delivery ids these are: a fixed name for the sender, or a header's value (one
+    sender serving many accounts). The same id from two tenants is two records."""
+
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    header: LowerHeaderName | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TenantConfig:
+        _exactly_one(self, "name", "header")
+        return self
+
+
+# Spelled out, so a config that turns verification off says what it gives away: anyone who
+# guesses a delivery id can send a fake first, and the real delivery gets the fake's answer.
+UnsignedOptOut = Literal["anyone-who-guesses-a-delivery-id-can-poison-it"]
+UNSIGNED_OPT_OUT: Final[str] = get_args(UnsignedOptOut)[0]
+
+
+class WebhookConfig(_Model):
+    delivery_id: DeliveryIdConfig
+    tenant: TenantConfig
+    signature: SignatureConfig | None = None
+    unsigned: UnsignedOptOut | None = None
+
+    @model_validator(mode="after")
+    def _signed_or_loudly_not(self) -> WebhookConfig:
+        if self.signature is None and self.unsigned is None:
+            raise ValueError(
+                "a webhook route needs a signature (standard-webhooks, github or stripe): "
+                "unsigned, anyone who guesses a delivery id poisons it; to accept that anyway "
+                f"set unsigned: {UNSIGNED_OPT_OUT}"
+            )
+        if self.signature is not None and self.unsigned is not None:
+            raise ValueError("give a signature or unsigned, not both")
+        header = self.delivery_id.header
+        if (
+            self.signature is not None
+            and self.signature.scheme is SignatureScheme.STANDARD_WEBHOOKS
+            and header not in (None, STANDARD_WEBHOOKS_ID)
+        ):
+            # Only webhook-id is signed: any other header could be set to the next id.
+            raise ValueError(
+                f"a standard-webhooks signature covers {STANDARD_WEBHOOKS_ID}, not {header}: "
+                f"take the delivery id from {STANDARD_WEBHOOKS_ID} or a JSON Pointer"
+            )
+        return self
+
+
 # A canonical JSON form costs an object per value, so its size is bounded (docs/CONTRACT.md).
 DEFAULT_MAX_CANONICAL_BODY: Final = 64 * 1024
 MAX_CANONICAL_BODY: Final = 1024 * 1024
@@ -381,6 +512,9 @@ class IdempotencyConfig(_Model):
     # Stripe's SDKs parse (for routes in front of a Stripe-compatible API).
     error_format: ErrorFormat = ErrorFormat.PROBLEM
     streaming: StreamingConfig = StreamingConfig()
+    # A webhook route: the key is the sender's delivery id, the scope its tenant, and the
+    # sender's signature is verified before anything is recorded (idempotency/webhooks.py).
+    webhook: WebhookConfig | None = None
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -400,6 +534,8 @@ class IdempotencyConfig(_Model):
             raise ValueError("lease and ttl must be greater than zero")
         if self.lease > self.ttl:
             raise ValueError("lease cannot be longer than ttl")
+        if self.webhook is not None and self.key is KeyPolicy.OFF:
+            raise ValueError("a webhook route keys every delivery: key cannot be off")
         return self
 
 

@@ -12,6 +12,8 @@ into this tree in one place each: ``proxy`` (its client, connection and pool) an
     │   ├── MissingIdempotencyKey         400
     │   ├── InvalidRequestTarget          400
     │   ├── CredentialRequired            401
+    │   ├── WebhookSignatureInvalid       401, nothing recorded
+    │   ├── WebhookDeliveryUnidentified   400, no delivery id or tenant to key it by
     │   ├── NoRouteMatched                404
     │   ├── RequestInFlight               409, Retry-After
     │   ├── RequestTimeout                408, then the connection closes
@@ -95,6 +97,20 @@ class CredentialRequired(RequestRejected):
     status = 401
     slug = "credential-required"
     title = "A credential is required for keyed requests"
+
+
+class WebhookSignatureInvalid(RequestRejected):
+    """A webhook whose sender's signature does not verify: refused before any record, cache
+    or upstream sees it, so a forged delivery cannot take the real one's id."""
+
+    status = 401
+    slug = "webhook-signature-invalid"
+    title = "The webhook's signature does not verify"
+
+
+class WebhookDeliveryUnidentified(RequestRejected):
+    slug = "webhook-delivery-unidentified"
+    title = "The webhook carries no delivery id or tenant to key it by"
 
 
 class NoRouteMatched(RequestRejected):

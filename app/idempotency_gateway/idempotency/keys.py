@@ -22,6 +22,11 @@ def _is_visible_ascii(text: str) -> bool:
     return all(0x21 <= ord(char) <= 0x7E for char in text)
 
 
+def is_key(text: str) -> bool:
+    """Whether ``text`` can be a key as it is: 1 to 255 visible ASCII characters."""
+    return 1 <= len(text) <= MAX_KEY_LENGTH and _is_visible_ascii(text)
+
+
 def _unquote_sf_string(raw: str) -> str:
     """The content of an RFC 8941 sf-string, or an error for anything that is not exactly one."""
     inner = raw[1:]
@@ -118,3 +123,12 @@ def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: byte
             digest.update(name + b"\x00" + len(value).to_bytes(4, "big") + value)
         digest.update(b"\x01")
     return digest.hexdigest() if present else ANONYMOUS_SCOPE
+
+
+# A header name never starts with 0x02, so a sender's scope never equals a client's.
+_TENANT_DOMAIN = b"\x02webhook-tenant\x00"
+
+
+def tenant_scope(tenant: bytes, *, secret: bytes) -> str:
+    """A webhook sender's scope: its tenant under the same HMAC as clients' credentials."""
+    return hmac.new(secret, _TENANT_DOMAIN + tenant, hashlib.sha256).hexdigest()

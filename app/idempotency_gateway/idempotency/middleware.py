@@ -220,9 +220,8 @@ class IdempotencyMiddleware:
                 error_format=policy.config.error_format,
             )
 
-    async def _protect(
-        self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy, target: RequestTarget
-    ) -> None:
+    def _client_key(self, scope: Scope, policy: RoutePolicy) -> tuple[str, str] | None:
+        """The key and scope of a client's keyed request; ``None``: no key, none required."""
         headers = scope["headers"]
         key = parse_idempotency_key(headers, self.header_name)
         if key is None:
@@ -230,9 +229,33 @@ class IdempotencyMiddleware:
                 raise MissingIdempotencyKey(
                     f"{self.header_display_name} is required for {scope['method']} on this route"
                 )
-            await self.app(scope, receive, send)
-            return
+            return None
         scope["headers"] = headers = with_bare_key(headers, self.header_name, key)
+        client_scope = scope_of(headers, self.scope_headers, secret=self.scope_secret)
+        if client_scope == ANONYMOUS_SCOPE and policy.config.anonymous is AnonymousPolicy.REFUSE:
+            raise CredentialRequired(
+                "keyed requests on this route must carry a credential in "
+                + ", ".join(name.decode() for name in self.scope_headers)
+            )
+        return key, client_scope
+
+    async def _protect(
+        self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy, target: RequestTarget
+    ) -> None:
+        body: bytes | None = None
+        if policy.webhook is not None:
+            # Verified on the bytes as sent, before anything is recorded or cached.
+            body = await read_body(receive, scope["headers"], limit=self.max_request_body)
+            key, client_scope = policy.webhook.identify(
+                scope["headers"], body, scope_secret=self.scope_secret
+            )
+        else:
+            keyed = self._client_key(scope, policy)
+            if keyed is None:
+                await self.app(scope, receive, send)
+                return
+            key, client_scope = keyed
+        headers = scope["headers"]
         operation = policy.operation(scope["method"], target)
         if len(operation) > OPERATION_MAX_LENGTH:
             # The record could not hold it: refused before any store access, like a 413.
@@ -240,13 +263,8 @@ class IdempotencyMiddleware:
                 f"the operation ({scope['method']} and the path) is longer than "
                 f"{OPERATION_MAX_LENGTH} characters; keyed requests need a shorter path"
             )
-        client_scope = scope_of(headers, self.scope_headers, secret=self.scope_secret)
-        if client_scope == ANONYMOUS_SCOPE and policy.config.anonymous is AnonymousPolicy.REFUSE:
-            raise CredentialRequired(
-                "keyed requests on this route must carry a credential in "
-                + ", ".join(name.decode() for name in self.scope_headers)
-            )
-        body = await read_body(receive, headers, limit=self.max_request_body)
+        if body is None:
+            body = await read_body(receive, headers, limit=self.max_request_body)
         request = KeyedRequest(
             scope=scope,
             body=body,

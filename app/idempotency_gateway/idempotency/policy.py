@@ -13,6 +13,7 @@ from idempotency_gateway.config import (
     RouteConfig,
     RouteMatch,
 )
+from idempotency_gateway.idempotency.webhooks import WebhookReceiver
 from idempotency_gateway.routing import PrefixRouter, spelled
 from idempotency_gateway.target import RequestTarget
 
@@ -30,12 +31,17 @@ class RoutePolicy:
     fingerprint_headers: tuple[bytes, ...] = field(init=False)
     replayed: tuple[bytes, bytes] = field(init=False)
     """The header field a replayed answer carries."""
+    webhook: WebhookReceiver | None = field(init=False, compare=False)
+    """On a webhook route: its signature check, delivery id and tenant."""
 
     def __post_init__(self) -> None:
         encoded = tuple(name.encode("ascii") for name in self.config.fingerprint_headers)
         object.__setattr__(self, "fingerprint_headers", encoded)
         marker = (self.config.replay_header or self.replay_header).lower().encode("ascii")
         object.__setattr__(self, "replayed", (marker, b"true"))
+        webhook = self.config.webhook
+        receiver = None if webhook is None else WebhookReceiver(webhook, route=self.name)
+        object.__setattr__(self, "webhook", receiver)
 
     def covers(self, method: str) -> bool:
         return self.config.key is not KeyPolicy.OFF and method in self.config.methods
