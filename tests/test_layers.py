@@ -73,6 +73,13 @@ def _imports(path: Path) -> list[str]:
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
+# Modules kept from a layer they could otherwise reach: the engine and the records of what it
+# did never note telemetry; the middleware turns their report into the request log, once.
+KEPT_APART: dict[str, frozenset[str]] = {
+    "idempotency/engine.py": frozenset({"telemetry"}),
+    "idempotency/report.py": frozenset({"telemetry"}),
+}
+
 
 def test_every_folder_and_module_has_a_layer() -> None:
     units = {_unit_of(_module_name(path)) for path in MODULES}
@@ -89,3 +96,10 @@ def test_imports_point_down(path: Path) -> None:
         if (unit := _unit_of(imported)) != importer and _layer_of(unit) >= _layer_of(importer)
     ]
     assert not upward, f"{path.relative_to(PACKAGE)} imports from its own layer or above: {upward}"
+
+
+@pytest.mark.parametrize("module", sorted(KEPT_APART))
+def test_kept_apart(module: str) -> None:
+    forbidden = KEPT_APART[module]
+    imported = [name for name in _imports(PACKAGE / module) if _unit_of(name) in forbidden]
+    assert not imported, f"{module} imports {imported}"

@@ -35,11 +35,8 @@ from idempotency_gateway.config import (
 from idempotency_gateway.errors import (
     CredentialRequired,
     GatewayError,
-    KeyReusedWithDifferentRequest,
     MissingIdempotencyKey,
     OperationTooLong,
-    RequestInFlight,
-    RequestRejected,
     StoreUnavailable,
 )
 from idempotency_gateway.idempotency.endpoints import RouteMarkers
@@ -47,6 +44,7 @@ from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedReque
 from idempotency_gateway.idempotency.fingerprint import fingerprint, request_hash
 from idempotency_gateway.idempotency.keys import (
     ANONYMOUS_SCOPE,
+    key_hash,
     parse_idempotency_key,
     scope_of,
     with_bare_key,
@@ -54,6 +52,7 @@ from idempotency_gateway.idempotency.keys import (
 from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from idempotency_gateway.idempotency.prefer import requested_wait
+from idempotency_gateway.idempotency.report import Report, Verdict
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
 from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
@@ -62,10 +61,10 @@ from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.storage.schema import OPERATION_MAX_LENGTH
 from idempotency_gateway.target import RequestTarget, target_or_refuse
+from idempotency_gateway.telemetry.metrics import TAKEOVERS
 from idempotency_gateway.telemetry.request_log import (
     AccessLogMiddleware,
     RequestOutcome,
-    note_outcome,
     request_log_of,
 )
 
@@ -184,38 +183,52 @@ class IdempotencyMiddleware:
         return self.policy_for(target)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        report = Report()
+        try:
+            unprotected = await self._guard(scope, receive, send, report)
+        finally:
+            _tell_request_log(scope, report)
+        if unprotected is not None:
+            # After the report: what the app then notes (an upstream never reached) stands.
+            await self.app(scope, replay_receive(unprotected), send)
+
+    async def _guard(
+        self, scope: Scope, receive: Receive, send: Send, report: Report
+    ) -> bytes | None:
+        """Answer the request, or return its body to pass it through unprotected (the store
+        is down and the route fails open)."""
         target = await target_or_refuse(scope, send)
         if target is None:
-            note_outcome(scope, RequestOutcome.REJECTED)
-            return
+            report.verdict = Verdict.REJECTED
+            return None
         policy = self._policy(scope, target)
         if policy is None or not policy.covers(scope["method"]):
             await self.app(scope, receive, send)
-            return
-        entry = request_log_of(scope)
-        if entry is not None:
-            entry.route = policy.name
+            return None
+        report.route = policy.name
         try:
-            await self._protect(scope, receive, send, policy, target)
+            return await self._protect(scope, receive, send, policy, target, report)
         except ClientDisconnected:
-            return
+            return None
         except GatewayError as error:
-            if isinstance(error, RequestRejected) and not isinstance(
-                error, KeyReusedWithDifferentRequest | RequestInFlight
-            ):
-                note_outcome(scope, RequestOutcome.REJECTED)
-            elif isinstance(error, StoreUnavailable):
-                note_outcome(scope, RequestOutcome.STORE_UNAVAILABLE)
+            report.refused(error)
             await send_problem(
                 send,
                 error,
                 request_id=request_id_of(scope),
                 error_format=policy.config.error_format,
             )
+            return None
 
     async def _protect(
-        self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy, target: RequestTarget
-    ) -> None:
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        policy: RoutePolicy,
+        target: RequestTarget,
+        report: Report,
+    ) -> bytes | None:
         headers = scope["headers"]
         key = parse_idempotency_key(headers, self.header_name)
         if key is None:
@@ -224,7 +237,7 @@ class IdempotencyMiddleware:
                     f"{self.header_display_name} is required for {scope['method']} on this route"
                 )
             await self.app(scope, receive, send)
-            return
+            return None
         scope["headers"] = headers = with_bare_key(headers, self.header_name, key)
         operation = policy.operation(scope["method"], target)
         if len(operation) > OPERATION_MAX_LENGTH:
@@ -260,12 +273,46 @@ class IdempotencyMiddleware:
                 body_size=len(body),
             ),
             wait=min(requested_wait(headers) or 0, policy.config.wait_max),
+            report=report,
         )
+        report.key = request.key
         try:
             await self.engine.handle(request)
         except StoreUnavailable:
             if self.store_unavailable is StoreUnavailablePolicy.FAIL_CLOSED:
                 raise
             log.warning("store unavailable: proxying without idempotency protection")
-            note_outcome(scope, RequestOutcome.STORE_DOWN_PASSED_THROUGH)
-            await self.app(scope, replay_receive(body), send)
+            report.verdict = Verdict.PASSED_THROUGH
+            return body
+        return None
+
+
+_OUTCOMES = {
+    Verdict.EXECUTED: RequestOutcome.EXECUTED,
+    Verdict.NOT_EXECUTED: RequestOutcome.NOT_EXECUTED,
+    Verdict.REPLAYED: RequestOutcome.REPLAYED,
+    Verdict.CONFLICT_IN_FLIGHT: RequestOutcome.CONFLICT_IN_FLIGHT,
+    Verdict.MISMATCH: RequestOutcome.MISMATCH,
+    Verdict.REJECTED: RequestOutcome.REJECTED,
+    Verdict.STORE_UNAVAILABLE: RequestOutcome.STORE_UNAVAILABLE,
+    Verdict.PASSED_THROUGH: RequestOutcome.STORE_DOWN_PASSED_THROUGH,
+    Verdict.OUTCOME_UNKNOWN: RequestOutcome.OUTCOME_UNKNOWN,
+}
+
+
+def _tell_request_log(scope: Scope, report: Report) -> None:
+    """The one place the idempotency layer's work reaches the request log and the metrics;
+    what the report leaves unsaid, layers outside or inside (a shed request, a route the
+    proxy names) keep."""
+    if report.takeover is not None:
+        TAKEOVERS.labels(report.takeover).inc()
+    entry = request_log_of(scope)
+    if entry is None:
+        return
+    if report.route is not None:
+        entry.route = report.route
+    if report.key is not None:
+        entry.scope_hash = report.key.scope
+        entry.key_hash = key_hash(report.key.idempotency_key)
+    if report.verdict is not None:
+        entry.outcome = _OUTCOMES[report.verdict]
