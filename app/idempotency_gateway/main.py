@@ -44,8 +44,8 @@ from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
 from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
 from idempotency_gateway.operations.sweeper import Sweeper
 from idempotency_gateway.proxy.app import ProxyApp
-from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
+from idempotency_gateway.proxy.upstream_client import UpstreamClient
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
 from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
 from idempotency_gateway.replay.redis_cache import RedisCache

@@ -1,6 +1,6 @@
 """``IdempotencyMiddleware``: a pure ASGI middleware that makes retried requests safe.
 
-Per ``(scope, operation, key)`` at most one execution commits; duplicates get the stored
+Per ``(tenant, operation, key)`` at most one execution commits; duplicates get the stored
 answer replayed, a 409 while the first runs, or a 422 when the key is reused for a different
 request. Requests a route does not cover go straight through with no store round trip.
 This module turns an ASGI request into a ``KeyedRequest``; ``engine`` decides its fate.
@@ -43,10 +43,10 @@ from idempotency_gateway.idempotency.endpoints import RouteMarkers
 from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedRequest
 from idempotency_gateway.idempotency.fingerprint import fingerprint, request_hash
 from idempotency_gateway.idempotency.keys import (
-    ANONYMOUS_SCOPE,
+    ANONYMOUS_TENANT,
     key_hash,
     parse_idempotency_key,
-    scope_of,
+    tenant_of,
     with_bare_key,
 )
 from idempotency_gateway.idempotency.orphans import OrphanReleases
@@ -76,7 +76,7 @@ _SCOPE, _LIMITS, _STORE = ScopeConfig(), LimitsConfig(), StoreConfig()
 
 class IdempotencyMiddleware:
     """Pure ASGI middleware: a keyed request on a covered route executes at most once per
-    ``(scope, operation, key)``; its duplicates get the recorded answer (marked
+    ``(tenant, operation, key)``; its duplicates get the recorded answer (marked
     ``Idempotent-Replayed: true``), a 409 while the first runs, or a 422 when the key comes
     with a different request. Everything else goes straight to ``app``.
 
@@ -97,9 +97,9 @@ class IdempotencyMiddleware:
             ``cache`` section (pass a ``RedisCache`` to share it across processes).
         wakeups: how ``Prefer: wait`` duplicates learn their owner finished; ``None`` wakes
             waiters in this process only.
-        scope_secret: the key of the HMAC that turns credentials into scope hashes; the same
-            in every process sharing the store, so the same client maps to the same scope.
-        scope_headers: the request headers whose values identify the client (its scope).
+        scope_secret: the key of the HMAC that turns credentials into tenants; the same
+            in every process sharing the store, so the same client maps to the same tenant.
+        scope_headers: the request headers whose values identify the client (its tenant).
         header_name: the request header that carries the idempotency key.
         max_request_body: keyed request bodies are read whole (to fingerprint them); larger
             ones are refused with 413 before any store access.
@@ -246,8 +246,8 @@ class IdempotencyMiddleware:
                 f"the operation ({scope['method']} and the path) is longer than "
                 f"{OPERATION_MAX_LENGTH} characters; keyed requests need a shorter path"
             )
-        client_scope = scope_of(headers, self.scope_headers, secret=self.scope_secret)
-        if client_scope == ANONYMOUS_SCOPE and policy.config.anonymous is AnonymousPolicy.REFUSE:
+        tenant = tenant_of(headers, self.scope_headers, secret=self.scope_secret)
+        if tenant == ANONYMOUS_TENANT and policy.config.anonymous is AnonymousPolicy.REFUSE:
             raise CredentialRequired(
                 "keyed requests on this route must carry a credential in "
                 + ", ".join(name.decode() for name in self.scope_headers)
@@ -258,7 +258,7 @@ class IdempotencyMiddleware:
             body=body,
             send=send,
             policy=policy,
-            key=RecordKey(client_scope, operation, key),
+            key=RecordKey(tenant, operation, key),
             fingerprint=await fingerprint(
                 functools.partial(
                     request_hash,

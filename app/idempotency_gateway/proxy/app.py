@@ -23,7 +23,6 @@ from idempotency_gateway.config import ErrorFormat, GatewayConfig, OnAmbiguous, 
 from idempotency_gateway.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
 from idempotency_gateway.execution import Outcome, execution_of
 from idempotency_gateway.problems import send_problem
-from idempotency_gateway.proxy.client import UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.headers import client_response_headers, upstream_request_headers
 from idempotency_gateway.proxy.resilient import (
@@ -32,6 +31,7 @@ from idempotency_gateway.proxy.resilient import (
     ResilientUpstream,
     RetryPlan,
 )
+from idempotency_gateway.proxy.upstream_client import UpstreamRequest, UpstreamResponse
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.target import RequestTarget, target_of
 from idempotency_gateway.telemetry.request_log import RequestOutcome, note_outcome, request_log_of

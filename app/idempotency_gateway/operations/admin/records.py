@@ -5,7 +5,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Header, Query, Request
 
 from idempotency_gateway.errors import AdminError
-from idempotency_gateway.idempotency.keys import MAX_KEY_LENGTH, scope_of
+from idempotency_gateway.idempotency.keys import MAX_KEY_LENGTH, tenant_of
 from idempotency_gateway.operations.admin.auth import admin_router
 from idempotency_gateway.operations.admin.context import AdminContext, Context
 from idempotency_gateway.operations.admin.problems import invalid, not_found
@@ -35,7 +35,7 @@ def record_key(
         if len(context.scope_headers) != 1:
             raise invalid("the scope combines several headers: give the scope hash instead")
         header = (context.scope_headers[0], x_scope_credential.encode("latin-1"))
-        scope = scope_of([header], context.scope_headers, secret=context.scope_secret)
+        scope = tenant_of([header], context.scope_headers, secret=context.scope_secret)
     assert scope is not None
     return RecordKey(scope, operation, key)
 
