@@ -19,7 +19,7 @@ NAME = "idempotency_gateway"
 
 # Lowest first. A name is a top-level module or a folder of the package.
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"database_url"}),
+    frozenset({"database_url", "lazy"}),
     frozenset({"errors", "config", "clock"}),
     frozenset({"asgi"}),
     frozenset({"problems", "request_id", "execution"}),

@@ -773,7 +773,8 @@ async def test_a_response_dropped_unreleased_gives_its_place_back() -> None:
     ):
         response = await client.open(request(), head_within=5.0)
         assert client.pool.idle_connections == 0
-        del response
+        with pytest.warns(ResourceWarning, match="unreleased upstream response"):
+            del response
         assert client.pool.idle_connections == 1
         assert (await fetch(client))[2] == b"ok"
 

@@ -18,6 +18,7 @@ from idempotency_gateway.config import (
     GatewayConfig,
     StoreConfig,
     check_admin_token,
+    database_url_or_default,
     dump_config,
     environment_settings,
     load_config,
@@ -118,7 +119,6 @@ def _run_server(
 ) -> int:
     from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
-    from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
 
@@ -159,7 +159,6 @@ def _run_server(
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
 
     url = database_url_or_default(environment_settings().database_url)
@@ -194,7 +193,6 @@ async def _database_error(url: str) -> str | None:
 
 def _sweep(args: argparse.Namespace) -> int:
     from idempotency_gateway.errors import StoreUnavailable
-    from idempotency_gateway.main import database_url_or_default
     from idempotency_gateway.storage.base import RecordStore
 
     async def sweep_all() -> int | None:

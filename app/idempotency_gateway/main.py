@@ -30,6 +30,7 @@ from idempotency_gateway.config import (
     CacheConfig,
     GatewayConfig,
     check_admin_token,
+    database_url_or_default,
     environment_settings,
     load_config,
     validate_config,
@@ -74,13 +75,8 @@ log = logging.getLogger(__name__)
 
 # The CLI hands its resolved config to worker processes through this variable.
 RESOLVED_CONFIG_ENV = "GATEWAY_RESOLVED_CONFIG"
-EMBEDDED_DATABASE_URL = "sqlite+aiosqlite:///idempotency-gateway.db"
 # How long shutdown waits for in-flight executions to finish and finalize.
 DRAIN_TIMEOUT = 30.0
-
-
-def database_url_or_default(url: str | None) -> str:
-    return url or EMBEDDED_DATABASE_URL
 
 
 def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCache, Wakeups]:
@@ -118,7 +114,7 @@ class Gateway:
     Arguments:
         config: the validated config file (``load_config``/``validate_config``).
         database_url: the record store; ``None`` is the embedded SQLite file
-            (``EMBEDDED_DATABASE_URL``), migrated at startup.
+            (``config.EMBEDDED_DATABASE_URL``), migrated at startup.
         redis_url: the shared replay cache and wake-ups; ``None`` keeps both in-process
             (then admin deletes reach other workers through ``CacheInvalidations``).
         admin_port: the local port whose connections get the admin app instead of the proxy.

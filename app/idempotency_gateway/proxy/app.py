@@ -20,7 +20,13 @@ from idempotency_gateway.asgi import (
     read_body,
 )
 from idempotency_gateway.config import ErrorFormat, GatewayConfig, OnAmbiguous, RouteConfig
-from idempotency_gateway.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
+from idempotency_gateway.errors import (
+    GatewayError,
+    NoRouteMatched,
+    UpstreamAmbiguous,
+    UpstreamError,
+    UpstreamNotSent,
+)
 from idempotency_gateway.execution import Outcome, execution_of
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.proxy.deadline import Deadline
@@ -72,7 +78,7 @@ class ProxyApp:
             return
         except UpstreamError as error:
             self._report(scope, error)
-            await self._send_error(scope, send, error)
+            await self._send_error(scope, send, self._answer_for(scope, error))
         except GatewayError as error:
             await self._send_error(scope, send, error)
 
@@ -82,18 +88,24 @@ class ProxyApp:
         await send_problem(send, error, request_id=request_id_of(scope), error_format=error_format)
 
     def _report(self, scope: Scope, error: UpstreamError) -> None:
-        """Tell the idempotency layer whether the request left, and the client whether a
-        retry with its key will run again."""
+        """Tell the idempotency layer whether the request left."""
         not_sent = isinstance(error, UpstreamNotSent)
         if not_sent:
             note_outcome(scope, RequestOutcome.NOT_EXECUTED)
         execution = execution_of(scope)
-        if execution is None:
-            return
-        execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
-        if not not_sent and self._retries_ambiguous(scope):
+        if execution is not None:
+            execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
+
+    def _answer_for(self, scope: Scope, error: UpstreamError) -> UpstreamError:
+        """The error the client gets: it says whether a retry with its key will run again."""
+        if (
+            isinstance(error, UpstreamAmbiguous)
+            and execution_of(scope) is not None
+            and self._retries_ambiguous(scope)
+        ):
             # The record stays retryable: the client's retry with the key runs again.
-            error.retryable = True
+            return type(error)(error.detail, retryable=True)
+        return error
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = target_of(scope)

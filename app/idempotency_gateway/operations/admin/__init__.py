@@ -9,7 +9,20 @@ One router per concern (``health``, ``drain``, ``records``, ``breakers``); each 
 the gateway's ``AdminContext`` as a dependency, and ``create_admin_app`` only assembles.
 """
 
-from idempotency_gateway.operations.admin.app import create_admin_app
-from idempotency_gateway.operations.admin.context import AdminContext
+from typing import TYPE_CHECKING
+
+from idempotency_gateway.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from idempotency_gateway.operations.admin.app import create_admin_app
+    from idempotency_gateway.operations.admin.context import AdminContext
 
 __all__ = ["AdminContext", "create_admin_app"]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "AdminContext": "idempotency_gateway.operations.admin.context",
+        "create_admin_app": "idempotency_gateway.operations.admin.app",
+    },
+)
