@@ -43,6 +43,7 @@ from idempotency_gateway.migrate import upgrade_to_head_async
 from idempotency_gateway.operations.admin import AdminContext, create_admin_app
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
 from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
+from idempotency_gateway.operations.stuck_records import StuckRecordsSampler
 from idempotency_gateway.operations.sweeper import Sweeper
 from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.resilient import ResilientUpstream
@@ -66,7 +67,6 @@ from idempotency_gateway.telemetry.metrics import (
     BREAKER_TRANSITIONS,
 )
 from idempotency_gateway.telemetry.request_log import AccessLogMiddleware
-from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor

@@ -20,7 +20,6 @@ clock) and applies any it had not read before.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from datetime import timedelta
 from typing import Any
@@ -28,8 +27,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, delete, func, insert, or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.replay.cache import ReplayCache
+from idempotency_gateway.resilience.periodic import repeat
 from idempotency_gateway.storage.base import store_connection
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.storage.schema import cache_invalidations
@@ -124,10 +123,10 @@ class CacheInvalidations:
             self._seen = max(self._seen, rows[-1].id)
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-            except StoreUnavailable as exc:
-                self.degradation.failed(exc)
-                self.cache.clear()
-            await asyncio.sleep(self.interval)
+        # A failed poll cannot know what it missed: the whole per-process cache goes.
+        await repeat(
+            self.poll_once,
+            every=self.interval,
+            degradation=self.degradation,
+            on_failure=self.cache.clear,
+        )
