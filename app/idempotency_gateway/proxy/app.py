@@ -59,6 +59,18 @@ def upstream_target(base_path: bytes, target: RequestTarget) -> bytes:
     return path + b"?" + target.query if target.query else path
 
 
+def _key_runs_again_after_ambiguity(scope: Scope) -> bool:
+    """Whether a keyed execution that may have reached the upstream leaves its record
+    retryable (``on_ambiguous: retry``): the one decision behind both the proxy's own retry
+    of an ambiguous failure and the ``retryable`` the client is told."""
+    route = target_of(scope).route
+    return (
+        execution_of(scope) is not None
+        and route is not None
+        and route.idempotency.on_ambiguous is OnAmbiguous.RETRY
+    )
+
+
 class ProxyApp:
     def __init__(self, config: GatewayConfig, upstreams: Mapping[str, ResilientUpstream]) -> None:
         self.config = config
@@ -98,11 +110,7 @@ class ProxyApp:
 
     def _answer_for(self, scope: Scope, error: UpstreamError) -> UpstreamError:
         """The error the client gets: it says whether a retry with its key will run again."""
-        if (
-            isinstance(error, UpstreamAmbiguous)
-            and execution_of(scope) is not None
-            and self._retries_ambiguous(scope)
-        ):
+        if isinstance(error, UpstreamAmbiguous) and _key_runs_again_after_ambiguity(scope):
             # The record stays retryable: the client's retry with the key runs again.
             return type(error)(error.detail, retryable=True)
         return error
@@ -155,22 +163,15 @@ class ProxyApp:
             response.release()
 
     @staticmethod
-    def _retries_ambiguous(scope: Scope) -> bool:
-        route = target_of(scope).route
-        return route is not None and route.idempotency.on_ambiguous is OnAmbiguous.RETRY
-
-    @staticmethod
     def _retry_plan(route: RouteConfig, scope: Scope) -> RetryPlan:
         method = scope["method"]
         # A key forwarded upstream makes any method safe to resend: the record and the
         # upstream both dedupe on it.
         keyed = execution_of(scope) is not None
-        idempotency = route.idempotency
         return RetryPlan(
             idempotent=keyed or method in IDEMPOTENT_METHODS,
-            retry_ambiguous=method in SAFE_METHODS
-            or (keyed and idempotency.on_ambiguous is OnAmbiguous.RETRY),
-            ambiguous_statuses=idempotency.outcomes.ambiguous,
+            retry_ambiguous=method in SAFE_METHODS or _key_runs_again_after_ambiguity(scope),
+            ambiguous_statuses=route.idempotency.outcomes.ambiguous,
         )
 
     @staticmethod
