@@ -44,7 +44,6 @@ from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedReque
 from idempotency_gateway.idempotency.fingerprint import fingerprint, request_hash
 from idempotency_gateway.idempotency.keys import (
     ANONYMOUS_TENANT,
-    key_hash,
     parse_idempotency_key,
     tenant_of,
     with_bare_key,
@@ -53,6 +52,7 @@ from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from idempotency_gateway.idempotency.prefer import requested_wait
 from idempotency_gateway.idempotency.report import Report, Verdict
+from idempotency_gateway.idempotency.report_log import note_report
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
 from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
@@ -61,12 +61,7 @@ from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.storage.schema import OPERATION_MAX_LENGTH
 from idempotency_gateway.target import RequestTarget, target_or_refuse
-from idempotency_gateway.telemetry.metrics import TAKEOVERS
-from idempotency_gateway.telemetry.request_log import (
-    AccessLogMiddleware,
-    RequestOutcome,
-    request_log_of,
-)
+from idempotency_gateway.telemetry.request_log import AccessLogMiddleware, request_log_of
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +182,7 @@ class IdempotencyMiddleware:
         try:
             unprotected = await self._guard(scope, receive, send, report)
         finally:
-            _tell_request_log(scope, report)
+            note_report(scope, report)
         if unprotected is not None:
             # After the report: what the app then notes (an upstream never reached) stands.
             await self.app(scope, replay_receive(unprotected), send)
@@ -285,34 +280,3 @@ class IdempotencyMiddleware:
             report.verdict = Verdict.PASSED_THROUGH
             return body
         return None
-
-
-_OUTCOMES = {
-    Verdict.EXECUTED: RequestOutcome.EXECUTED,
-    Verdict.NOT_EXECUTED: RequestOutcome.NOT_EXECUTED,
-    Verdict.REPLAYED: RequestOutcome.REPLAYED,
-    Verdict.CONFLICT_IN_FLIGHT: RequestOutcome.CONFLICT_IN_FLIGHT,
-    Verdict.MISMATCH: RequestOutcome.MISMATCH,
-    Verdict.REJECTED: RequestOutcome.REJECTED,
-    Verdict.STORE_UNAVAILABLE: RequestOutcome.STORE_UNAVAILABLE,
-    Verdict.PASSED_THROUGH: RequestOutcome.STORE_DOWN_PASSED_THROUGH,
-    Verdict.OUTCOME_UNKNOWN: RequestOutcome.OUTCOME_UNKNOWN,
-}
-
-
-def _tell_request_log(scope: Scope, report: Report) -> None:
-    """The one place the idempotency layer's work reaches the request log and the metrics;
-    what the report leaves unsaid, layers outside or inside (a shed request, a route the
-    proxy names) keep."""
-    if report.takeover is not None:
-        TAKEOVERS.labels(report.takeover).inc()
-    entry = request_log_of(scope)
-    if entry is None:
-        return
-    if report.route is not None:
-        entry.route = report.route
-    if report.key is not None:
-        entry.scope_hash = report.key.scope
-        entry.key_hash = key_hash(report.key.idempotency_key)
-    if report.verdict is not None:
-        entry.outcome = _OUTCOMES[report.verdict]
