@@ -37,7 +37,7 @@ from benchmarks.processes import (
 )
 from benchmarks.runloop import run_fast
 from idempotency_gateway.config import UpstreamConfig
-from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest
+from idempotency_gateway.proxy.upstream_client import UpstreamClient, UpstreamRequest
 
 # What the proxy adds to a plain client request (proxy/headers.py), plus a client's own two.
 FIELDS = [
@@ -108,7 +108,7 @@ async def gateway_client(base: str, concurrency: int, stack: AsyncExitStack) -> 
 
 CLIENTS: dict[str, Callable[[str, int, AsyncExitStack], Awaitable[Fetch]]] = {
     "aiohttp (the gateway's client before)": aiohttp_client,
-    "the gateway's client (httptools, proxy/client.py)": gateway_client,
+    "the gateway's client (httptools, proxy/upstream_client.py)": gateway_client,
 }
 PATHS = {"/small": 11, "/large (1 MiB)": 1024 * 1024}
 

@@ -15,9 +15,13 @@ import pytest
 
 from idempotency_gateway.config import BreakerConfig, UpstreamConfig
 from idempotency_gateway.errors import CircuitOpen
-from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import ResilientUpstream, RetryPlan
+from idempotency_gateway.proxy.upstream_client import (
+    UpstreamClient,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from tests.support import RecordingUpstream, eventually
 from tests.support.clock import ManualClock, state_of

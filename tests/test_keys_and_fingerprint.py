@@ -15,7 +15,7 @@ import pytest
 from idempotency_gateway.asgi import Headers, header_values
 from idempotency_gateway.errors import InvalidIdempotencyKey
 from idempotency_gateway.idempotency.fingerprint import request_hash
-from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE, parse_idempotency_key, scope_of
+from idempotency_gateway.idempotency.keys import ANONYMOUS_TENANT, parse_idempotency_key, tenant_of
 
 KEY_HEADER = b"idempotency-key"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -104,7 +104,7 @@ SECRET = b"deployment-secret"
 
 
 def scope(headers: Headers, names: tuple[bytes, ...], *, secret: bytes = SECRET) -> str:
-    return scope_of(headers, names, secret=secret)
+    return tenant_of(headers, names, secret=secret)
 
 
 def bare_sha256_scope(headers: Headers, names: tuple[bytes, ...]) -> str:
@@ -183,7 +183,7 @@ def test_different_credentials_give_different_scopes() -> None:
     ],
 )
 def test_no_credential_is_anonymous(headers: Headers) -> None:
-    assert scope(headers, AUTHORIZATION) == ANONYMOUS_SCOPE
+    assert scope(headers, AUTHORIZATION) == ANONYMOUS_TENANT
 
 
 def test_scope_never_contains_the_credential() -> None:

@@ -19,7 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 
 from idempotency_gateway import IdempotencyConfig, IdempotencyMiddleware, Outcome, RecordStore
-from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE
+from idempotency_gateway.idempotency.keys import ANONYMOUS_TENANT
 from idempotency_gateway.storage.base import Claim
 from idempotency_gateway.storage.records import RecordKey
 from tests.support import serve_asgi
@@ -213,7 +213,7 @@ async def test_endpoint_confirming_its_lease_after_a_takeover_does_nothing(
     async with serving(api) as client:
         first = asyncio.create_task(charge(client, key))
         await arrived.wait()
-        record_key = RecordKey(ANONYMOUS_SCOPE, "POST /v1/charges", key)
+        record_key = RecordKey(ANONYMOUS_TENANT, "POST /v1/charges", key)
         held = await store.get(record_key)
         assert held is not None
         clock.advance(IdempotencyConfig().lease + 1)  # the owner stalled past its lease

@@ -33,7 +33,7 @@ from idempotency_gateway import (
     idempotent,
 )
 from idempotency_gateway.config import CacheConfig
-from idempotency_gateway.idempotency.keys import ANONYMOUS_SCOPE
+from idempotency_gateway.idempotency.keys import ANONYMOUS_TENANT
 from idempotency_gateway.idempotency.policy import PolicySource
 from idempotency_gateway.operations.lifespan import Lifespan
 from idempotency_gateway.storage import open_store
@@ -109,7 +109,7 @@ async def test_a_raising_handler_gives_the_apps_500_to_every_retry(
     # Without a key the same handler answers: the key changes nothing about the answer.
     assert keyless.json() == {"error": "ChargeFailed", "run": 2}
     assert runs == [key, "-"]
-    record = await store.get(RecordKey(ANONYMOUS_SCOPE, CHARGES, key))
+    record = await store.get(RecordKey(ANONYMOUS_TENANT, CHARGES, key))
     assert record is not None
     assert record.status is Status.FAILED_FINAL
     # The server still logged each failure, the keyed one included.
@@ -139,7 +139,7 @@ async def test_lifespan_starts_the_store_sweeps_and_closes_the_cache(
     clock = ManualClock(now=LONG_AGO)
     store = open_store(database_url, StoreConfig(), clock=clock.utc)
     cache = InProcessCache.sized_by(CacheConfig())
-    expired, kept = (RecordKey(ANONYMOUS_SCOPE, CHARGES, unique(n)) for n in ("old", "new"))
+    expired, kept = (RecordKey(ANONYMOUS_TENANT, CHARGES, unique(n)) for n in ("old", "new"))
     for key, ttl in ((expired, 60.0), (kept, 3600.0)):
         claim = Claim("f" * 64, os.urandom(16).hex(), lease=30.0, ttl=ttl)
         assert (await store.reserve(key, claim)).reserved
@@ -261,7 +261,7 @@ async def test_endpoints_marked_idempotent_are_protected_and_others_are_not(
     assert transfer[1].headers["idempotent-replayed"] == "true"
     assert runs == ["charge", "refund", "refund", "payout acct_1", "transfer"]
     # The marked route's record is named by its path, under the route's own operation.
-    record = await store.get(RecordKey(ANONYMOUS_SCOPE, "POST /v1/payouts/acct_1", key))
+    record = await store.get(RecordKey(ANONYMOUS_TENANT, "POST /v1/payouts/acct_1", key))
     assert record is not None
     assert record.status is Status.SUCCEEDED
     assert requests_counted("/v1/payouts/{account}", "replayed", "2xx") >= 1

@@ -32,7 +32,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from idempotency_gateway.idempotency.keys import key_hash, scope_of
+from idempotency_gateway.idempotency.keys import key_hash, tenant_of
 from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
 from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import gateway_config, route
@@ -583,7 +583,7 @@ def send_logged_traffic(
 
 
 def scope_hash_of(secret: str) -> str:
-    return scope_of(
+    return tenant_of(
         [(b"authorization", f"Bearer {secret}".encode())],
         (b"authorization",),
         secret=TEST_SCOPE_SECRET.encode(),

@@ -25,9 +25,13 @@ import pytest
 from idempotency_gateway.config import UpstreamConfig
 from idempotency_gateway.errors import CircuitOpen, DeadlineExhausted, LeaseNotConfirmed
 from idempotency_gateway.execution import Execution, Outcome
-from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import RequestFactory, ResilientUpstream, RetryPlan
+from idempotency_gateway.proxy.upstream_client import (
+    UpstreamClient,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.storage.records import Record, RecordKey, Status

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from prometheus_client import REGISTRY
 
 from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.operations.stuck_records import StuckRecordsSampler
 from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import Claim, RecordStore
 from idempotency_gateway.storage.records import RecordKey
-from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
 from tests.support.clock import ManualClock
 from tests.support.gateway import unreachable_database_url
 

@@ -1,4 +1,4 @@
-"""The upstream client (``proxy/client.py``, ``connection.py``, ``pool.py``) against raw
+"""The upstream client (``proxy/upstream_client.py``, ``connection.py``, ``pool.py``) against raw
 loopback servers: the bytes that go upstream, the pool's reuse rules, framing the parser must
 get right, deadlines, and whether a failed request may have left.
 """
@@ -28,7 +28,6 @@ from idempotency_gateway.errors import (
     UpstreamTimeout,
 )
 from idempotency_gateway.proxy.app import upstream_target
-from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.connection import (
     MAX_HEAD,
     READ_BUFFER_HIGH,
@@ -37,6 +36,11 @@ from idempotency_gateway.proxy.connection import (
 )
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.resilient import ResilientUpstream, RetryPlan
+from idempotency_gateway.proxy.upstream_client import (
+    UpstreamClient,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.target import RequestTarget
 from tests.support import eventually, free_port
@@ -769,7 +773,8 @@ async def test_a_response_dropped_unreleased_gives_its_place_back() -> None:
     ):
         response = await client.open(request(), head_within=5.0)
         assert client.pool.idle_connections == 0
-        del response
+        with pytest.warns(ResourceWarning, match="unreleased upstream response"):
+            del response
         assert client.pool.idle_connections == 1
         assert (await fetch(client))[2] == b"ok"
 

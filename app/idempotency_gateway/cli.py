@@ -18,6 +18,7 @@ from idempotency_gateway.config import (
     GatewayConfig,
     StoreConfig,
     check_admin_token,
+    database_url_or_default,
     dump_config,
     environment_settings,
     load_config,
@@ -132,7 +133,6 @@ def _serve(args: argparse.Namespace) -> int:
 def _run_server(
     args: argparse.Namespace, settings: EnvSettings, config: GatewayConfig, drain_marker: Path
 ) -> int:
-    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
     from idempotency_gateway.migrate import upgrade_to_head
@@ -179,7 +179,6 @@ def _run_server(
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.migrate import upgrade_to_head
 
     url = database_url_or_default(environment_settings().database_url)
@@ -213,7 +212,6 @@ async def _database_error(url: str) -> str | None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from idempotency_gateway.database_url import database_url_or_default
     from idempotency_gateway.errors import StoreUnavailable
     from idempotency_gateway.storage import open_store
 

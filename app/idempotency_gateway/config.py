@@ -756,6 +756,15 @@ def _url_with_scheme(value: str | None, schemes: tuple[str, ...], what: str) -> 
     return value
 
 
+# With no database configured the records live in this SQLite file, migrated at startup: one
+# gateway, nothing to set up.
+EMBEDDED_DATABASE_URL: Final = "sqlite:///idempotency-gateway.db"
+
+
+def database_url_or_default(url: str | None) -> str:
+    return url or EMBEDDED_DATABASE_URL
+
+
 class EnvSettings(BaseSettings):
     """Secrets and addresses that belong in the environment, not in the YAML file."""
 

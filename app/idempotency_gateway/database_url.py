@@ -32,12 +32,6 @@ _MIGRATION_DRIVERS = {
     "sqlite": "sqlite",
 }
 _DEFAULT_PORT = "5432"
-# The store when no database URL is given: a file in the working directory, migrated at start.
-EMBEDDED_DATABASE_URL = "sqlite:///idempotency-gateway.db"
-
-
-def database_url_or_default(url: str | None) -> str:
-    return url or EMBEDDED_DATABASE_URL
 
 
 def backend_of(url: str) -> str | None:

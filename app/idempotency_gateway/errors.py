@@ -31,10 +31,12 @@ into this tree in one place each: ``proxy`` (its client, connection and pool) an
     ├── LeaseNotConfirmed               the owner could not confirm its lease: nothing sent (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
-        ├── UpstreamNotSent               the request never left: safe to execute again (502)
+        ├── UpstreamNotSent               the request never left, so the key may run again;
+        │   │                               itself: the upstream could not be reached (502)
         │   ├── CircuitOpen                 the upstream's breaker is open (503, Retry-After)
         │   ├── DeadlineExhausted           too little time left to try (504)
-        │   └── UpstreamRequestRefused      a field would break the request's framing (500)
+        │   └── UpstreamRequestRefused      the gateway would not send it: a field would break
+        │                                   the request's framing (500); no retry ends otherwise
         └── UpstreamAmbiguous             sent, but no complete answer came back
             ├── UpstreamTimeout             504
             ├── UpstreamConnectionLost      502
@@ -55,9 +57,13 @@ class GatewayError(Exception):
     retryable: bool = False
     retry_after: int | None = None
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, *, retryable: bool | None = None) -> None:
+        """``retryable``: whether a retry with the same key may end differently, where the
+        class alone cannot say (an ambiguous failure on a route that runs it again)."""
         super().__init__(detail)
         self.detail = detail
+        if retryable is not None:
+            self.retryable = retryable
 
     @property
     def problem_type(self) -> str:
@@ -253,6 +259,9 @@ class UpstreamError(GatewayError):
 
 
 class UpstreamNotSent(UpstreamError):
+    """Nothing of the request left the gateway, so the upstream cannot have acted on it and
+    its key may run again. Retryable unless a subclass says why a retry would fail alike."""
+
     slug = "upstream-unreachable"
     title = "Upstream unreachable"
     retryable = True

@@ -29,11 +29,12 @@ from idempotency_gateway.config import (
     CacheConfig,
     GatewayConfig,
     check_admin_token,
+    database_url_or_default,
     environment_settings,
     load_config,
     validate_config,
 )
-from idempotency_gateway.database_url import backend_of, database_url_or_default
+from idempotency_gateway.database_url import backend_of
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.idempotency.middleware import IdempotencyMiddleware
 from idempotency_gateway.idempotency.policy import RoutePolicies
@@ -42,10 +43,11 @@ from idempotency_gateway.migrate import upgrade_to_head_async
 from idempotency_gateway.operations.admin import AdminContext, create_admin_app
 from idempotency_gateway.operations.breaker_overrides import BreakerOverrides
 from idempotency_gateway.operations.cache_invalidations import CacheInvalidations
+from idempotency_gateway.operations.stuck_records import StuckRecordsSampler
 from idempotency_gateway.operations.sweeper import Sweeper
 from idempotency_gateway.proxy.app import ProxyApp
-from idempotency_gateway.proxy.client import UpstreamClient
 from idempotency_gateway.proxy.resilient import ResilientUpstream
+from idempotency_gateway.proxy.upstream_client import UpstreamClient
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
 from idempotency_gateway.replay.live_streams import live_streams_for
 from idempotency_gateway.replay.redis_adapter import connect_redis
@@ -65,7 +67,6 @@ from idempotency_gateway.telemetry.metrics import (
     BREAKER_TRANSITIONS,
 )
 from idempotency_gateway.telemetry.request_log import AccessLogMiddleware
-from idempotency_gateway.telemetry.stuck_records import StuckRecordsSampler
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
@@ -107,7 +108,7 @@ class Gateway:
     Arguments:
         config: the validated config file (``load_config``/``validate_config``).
         database_url: the record store; ``None`` is the embedded SQLite file
-            (``database_url.EMBEDDED_DATABASE_URL``), migrated at startup.
+            (``config.EMBEDDED_DATABASE_URL``), migrated at startup.
         redis_url: the shared replay cache and wake-ups; ``None`` keeps both in-process
             (then admin deletes reach other workers through ``CacheInvalidations``).
         admin_port: the local port whose connections get the admin app instead of the proxy.

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from idempotency_gateway.config import GatewayConfig
-from idempotency_gateway.idempotency.keys import scope_of
+from idempotency_gateway.idempotency.keys import tenant_of
 from idempotency_gateway.storage.records import RecordKey
 from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.gateway import gateway_config, route
@@ -38,7 +38,7 @@ def keyed_gateway_config(upstream_url: str, **overrides: Any) -> GatewayConfig:
 
 def record_key(key: str, *, method: str = "POST", path: str = CHARGES) -> RecordKey:
     """The record key of a ``send_keyed`` request (default scope and operation)."""
-    scope = scope_of(
+    scope = tenant_of(
         [(b"authorization", AUTHORIZATION.encode())],
         (b"authorization",),
         secret=TEST_SCOPE_SECRET.encode(),

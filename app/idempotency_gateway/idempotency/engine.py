@@ -28,11 +28,11 @@ from idempotency_gateway.errors import (
 )
 from idempotency_gateway.execution import FENCING_TOKEN_HEADER, STATE_KEY, Execution, Outcome
 from idempotency_gateway.idempotency.app_failure import send_app_failure
-from idempotency_gateway.idempotency.keys import key_hash
 from idempotency_gateway.idempotency.machine import Action, classify, decide
 from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.owner import OwnerRun, new_owner_id
 from idempotency_gateway.idempotency.policy import RoutePolicy
+from idempotency_gateway.idempotency.report import Report, Verdict
 from idempotency_gateway.idempotency.responses import ResponseCapture, send_stored, stored_problem
 from idempotency_gateway.idempotency.streams import StreamTee, follow_live, send_replay
 from idempotency_gateway.replay.cache import CachedAnswer, ReplayCache, expiry_of
@@ -46,12 +46,6 @@ from idempotency_gateway.storage.records import (
     RecordKey,
     Status,
     StoredResponse,
-)
-from idempotency_gateway.telemetry.metrics import TAKEOVERS
-from idempotency_gateway.telemetry.request_log import (
-    RequestOutcome,
-    note_outcome,
-    request_log_of,
 )
 
 log = logging.getLogger(__name__)
@@ -72,6 +66,7 @@ class KeyedRequest:
     key: RecordKey
     fingerprint: str
     wait: float  # seconds the client will wait for an in-flight owner (0: answer 409 at once)
+    report: Report  # what the engine did with it, for the middleware to log and count
 
     @property
     def config(self) -> IdempotencyConfig:
@@ -127,16 +122,11 @@ class IdempotencyEngine:
         self.executions: set[asyncio.Task[None]] = set()
 
     async def handle(self, request: KeyedRequest) -> None:
-        entry = request_log_of(request.scope)
-        if entry is not None:
-            entry.scope_hash = request.key.scope
-            entry.key_hash = key_hash(request.key.idempotency_key)
         cached = await self.cache.get(request.key)
         if cached is not None:
             if cached.request_hash != request.fingerprint:
-                note_outcome(request.scope, RequestOutcome.MISMATCH)
                 raise _mismatch()
-            note_outcome(request.scope, RequestOutcome.REPLAYED)
+            request.report.verdict = Verdict.REPLAYED
             await self._replay(request, cached.response)
             return
         await self._decide_and_act(request)
@@ -161,14 +151,13 @@ class IdempotencyEngine:
             action = decide(record, request_hash=request.fingerprint, now=reservation.now)
             if action is Action.REPLAY:
                 assert record.response is not None
-                note_outcome(request.scope, RequestOutcome.REPLAYED)
+                request.report.verdict = Verdict.REPLAYED
                 answer = CachedAnswer.of(record, now=reservation.now, asked_at=sent_at)
                 if answer is not None:
                     await self.cache.put(answer)
                 await self._replay(request, record.response, extra=waited)
                 return
             if action is Action.MISMATCH:
-                note_outcome(request.scope, RequestOutcome.MISMATCH)
                 raise _mismatch()
             if action is Action.IN_FLIGHT:
                 if request.config.streaming.follow and await self._follow(request):
@@ -179,7 +168,6 @@ class IdempotencyEngine:
                     await self.wakeups.wait(request.key, request.wait)
                     waited = [(b"preference-applied", f"wait={request.wait:g}".encode())]
                     continue
-                note_outcome(request.scope, RequestOutcome.CONFLICT_IN_FLIGHT)
                 raise RequestInFlight(
                     "the first request with this Idempotency-Key is still running; "
                     "retry with the same key to get its answer",
@@ -196,13 +184,12 @@ class IdempotencyEngine:
                 raise
             if taken is None:
                 continue  # somebody else changed the record first: look again
-            TAKEOVERS.labels(_takeover_reason(action, record, reservation.now)).inc()
+            request.report.takeover = _takeover_reason(action, record, reservation.now)
             if action is Action.ABANDONED and config.on_ambiguous is OnAmbiguous.FAIL:
                 await self._settle_abandoned(request, taken, sent_at)
                 return
             await self._execute(request, taken, sent_at)
             return
-        note_outcome(request.scope, RequestOutcome.CONFLICT_IN_FLIGHT)
         raise RequestInFlight(
             "the record for this Idempotency-Key is changing hands; retry shortly",
             retry_after=IN_FLIGHT_RETRY_AFTER,
@@ -233,7 +220,7 @@ class IdempotencyEngine:
             marker=request.policy.replayed,
         )
         if followed:
-            note_outcome(request.scope, RequestOutcome.REPLAYED)
+            request.report.verdict = Verdict.REPLAYED
         return followed
 
     def _orphaned(self, request: KeyedRequest, claim: Claim, error: StoreUnavailable) -> None:
@@ -247,7 +234,7 @@ class IdempotencyEngine:
         self, request: KeyedRequest, record: Record, sent_at: float
     ) -> None:
         """An owner died mid-flight: record that the outcome is unknown, never execute twice."""
-        note_outcome(request.scope, RequestOutcome.OUTCOME_UNKNOWN)
+        request.report.verdict = Verdict.OUTCOME_UNKNOWN
         log.warning(
             "took over an abandoned record; outcome unknown, not executing again",
             extra={"route": request.policy.name, "fencing_token": record.fencing_token},
@@ -270,7 +257,7 @@ class IdempotencyEngine:
         await self.wakeups.notify(request.key, published=published)
 
     async def _execute(self, request: KeyedRequest, record: Record, sent_at: float) -> None:
-        note_outcome(request.scope, RequestOutcome.EXECUTED)
+        request.report.verdict = Verdict.EXECUTED
         task = asyncio.create_task(
             self._run_owner(request, self._owner_run(request, record, sent_at))
         )
@@ -332,7 +319,7 @@ class IdempotencyEngine:
             execution.report(Outcome.AMBIGUOUS)
         if execution.outcome is Outcome.NOT_EXECUTED:
             # Nothing reached the upstream: the gateway's own 5xx, not an executed request's.
-            note_outcome(request.scope, RequestOutcome.NOT_EXECUTED)
+            request.report.verdict = Verdict.NOT_EXECUTED
         status = (
             Status.FAILED_FINAL
             if rendered and capture.complete

@@ -1,4 +1,8 @@
-"""The ``Idempotency-Key`` field and the client's scope.
+"""The ``Idempotency-Key`` field and the client's tenant.
+
+A tenant is who sends the request: an HMAC of its credential fields (the config's ``scope``
+section names them). Records are kept per ``(tenant, operation, key)``, so two clients never
+share a key; the store calls the tenant a record's ``scope``.
 
 The key is a bare token or an RFC 8941 sf-string (``"abc"``), the form the IETF draft
 ``draft-ietf-httpapi-idempotency-key-header`` uses. Either way the key itself must be 1 to 255
@@ -15,7 +19,7 @@ from idempotency_gateway.asgi import Headers, header_values
 from idempotency_gateway.errors import InvalidIdempotencyKey
 
 MAX_KEY_LENGTH = 255
-ANONYMOUS_SCOPE = "anonymous"
+ANONYMOUS_TENANT = "anonymous"
 
 
 def _is_visible_ascii(text: str) -> bool:
@@ -83,7 +87,7 @@ def with_bare_key(headers: Headers, header_name: bytes, key: str) -> Headers:
 # Fields whose value is ``<auth-scheme> <credentials>`` (RFC 9110 section 11.6.2): the scheme
 # is case-insensitive and one or more spaces come before the credentials, so ``bearer sk_1``
 # and ``Bearer  sk_1`` are the credential of ``Bearer sk_1`` to the upstream. Hashed as sent,
-# they were three scopes: a retry in another spelling ran its key again.
+# they were three tenants: a retry in another spelling ran its key again.
 _CREDENTIAL_FIELDS = frozenset({b"authorization", b"proxy-authorization"})
 _SCHEME_AND_CREDENTIALS = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) +(.*)", re.DOTALL)
 
@@ -104,16 +108,16 @@ def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: bytes) -> str:
+def tenant_of(headers: Headers, credential_headers: tuple[bytes, ...], *, secret: bytes) -> str:
     """Who the client is, as an HMAC-SHA256 hex digest keyed by the deployment's secret.
 
-    The raw credential is never stored, and without the secret a stored scope cannot be
+    The raw credential is never stored, and without the secret a stored tenant cannot be
     matched against guessed credentials (a bare hash of a short password can).
     """
     digest = hmac.new(secret, digestmod=hashlib.sha256)
     present = False
-    for name in scope_headers:
-        # An empty field is no credential: counted as one, it would be a scope shared by
+    for name in credential_headers:
+        # An empty field is no credential: counted as one, it would be a tenant shared by
         # everyone who sends it, past an ``anonymous: refuse`` route.
         values = [value for value in header_values(headers, name) if value.strip(b" \t")]
         if name in _CREDENTIAL_FIELDS:
@@ -122,7 +126,7 @@ def scope_of(headers: Headers, scope_headers: tuple[bytes, ...], *, secret: byte
             present = True
             digest.update(name + b"\x00" + len(value).to_bytes(4, "big") + value)
         digest.update(b"\x01")
-    return digest.hexdigest() if present else ANONYMOUS_SCOPE
+    return digest.hexdigest() if present else ANONYMOUS_TENANT
 
 
 # A header name never starts with 0x02, so a sender's scope never equals a client's.

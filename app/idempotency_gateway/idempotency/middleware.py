@@ -1,6 +1,6 @@
 """``IdempotencyMiddleware``: a pure ASGI middleware that makes retried requests safe.
 
-Per ``(scope, operation, key)`` at most one execution commits; duplicates get the stored
+Per ``(tenant, operation, key)`` at most one execution commits; duplicates get the stored
 answer replayed, a 409 while the first runs, or a 422 when the key is reused for a different
 request. Requests a route does not cover go straight through with no store round trip.
 This module turns an ASGI request into a ``KeyedRequest``; ``engine`` decides its fate.
@@ -35,25 +35,24 @@ from idempotency_gateway.config import (
 from idempotency_gateway.errors import (
     CredentialRequired,
     GatewayError,
-    KeyReusedWithDifferentRequest,
     MissingIdempotencyKey,
     OperationTooLong,
-    RequestInFlight,
-    RequestRejected,
     StoreUnavailable,
 )
 from idempotency_gateway.idempotency.endpoints import RouteMarkers
 from idempotency_gateway.idempotency.engine import IdempotencyEngine, KeyedRequest
 from idempotency_gateway.idempotency.fingerprint import fingerprint, request_hash
 from idempotency_gateway.idempotency.keys import (
-    ANONYMOUS_SCOPE,
+    ANONYMOUS_TENANT,
     parse_idempotency_key,
-    scope_of,
+    tenant_of,
     with_bare_key,
 )
 from idempotency_gateway.idempotency.orphans import OrphanReleases
 from idempotency_gateway.idempotency.policy import PolicySource, RoutePolicy, resolver_for
 from idempotency_gateway.idempotency.prefer import requested_wait
+from idempotency_gateway.idempotency.report import Report, Verdict
+from idempotency_gateway.idempotency.report_log import note_report
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
 from idempotency_gateway.replay.live_streams import LiveStreams
@@ -62,12 +61,7 @@ from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.storage.records import OPERATION_MAX_LENGTH, RecordKey
 from idempotency_gateway.target import RequestTarget, target_or_refuse
-from idempotency_gateway.telemetry.request_log import (
-    AccessLogMiddleware,
-    RequestOutcome,
-    note_outcome,
-    request_log_of,
-)
+from idempotency_gateway.telemetry.request_log import AccessLogMiddleware, request_log_of
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +71,7 @@ _SCOPE, _LIMITS, _STORE = ScopeConfig(), LimitsConfig(), StoreConfig()
 
 class IdempotencyMiddleware:
     """Pure ASGI middleware: a keyed request on a covered route executes at most once per
-    ``(scope, operation, key)``; its duplicates get the recorded answer (marked
+    ``(tenant, operation, key)``; its duplicates get the recorded answer (marked
     ``Idempotent-Replayed: true``), a 409 while the first runs, or a 422 when the key comes
     with a different request. Everything else goes straight to ``app``.
 
@@ -98,9 +92,9 @@ class IdempotencyMiddleware:
             ``cache`` section (pass a ``RedisCache`` to share it across processes).
         wakeups: how ``Prefer: wait`` duplicates learn their owner finished; ``None`` wakes
             waiters in this process only.
-        scope_secret: the key of the HMAC that turns credentials into scope hashes; the same
-            in every process sharing the store, so the same client maps to the same scope.
-        scope_headers: the request headers whose values identify the client (its scope).
+        scope_secret: the key of the HMAC that turns credentials into tenants; the same
+            in every process sharing the store, so the same client maps to the same tenant.
+        scope_headers: the request headers whose values identify the client (its tenant).
         header_name: the request header that carries the idempotency key.
         max_request_body: keyed request bodies are read whole (to fingerprint them); larger
             ones are refused with 413 before any store access.
@@ -191,37 +185,45 @@ class IdempotencyMiddleware:
         return self.policy_for(target)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        report = Report()
+        try:
+            unprotected = await self._guard(scope, receive, send, report)
+        finally:
+            note_report(scope, report)
+        if unprotected is not None:
+            # After the report: what the app then notes (an upstream never reached) stands.
+            await self.app(scope, replay_receive(unprotected), send)
+
+    async def _guard(
+        self, scope: Scope, receive: Receive, send: Send, report: Report
+    ) -> bytes | None:
+        """Answer the request, or return its body to pass it through unprotected (the store
+        is down and the route fails open)."""
         target = await target_or_refuse(scope, send)
         if target is None:
-            note_outcome(scope, RequestOutcome.REJECTED)
-            return
+            report.verdict = Verdict.REJECTED
+            return None
         policy = self._policy(scope, target)
         if policy is None or not policy.covers(scope["method"]):
             await self.app(scope, receive, send)
-            return
-        entry = request_log_of(scope)
-        if entry is not None:
-            entry.route = policy.name
+            return None
+        report.route = policy.name
         try:
-            await self._protect(scope, receive, send, policy, target)
+            return await self._protect(scope, receive, send, policy, target, report)
         except ClientDisconnected:
-            return
+            return None
         except GatewayError as error:
-            if isinstance(error, RequestRejected) and not isinstance(
-                error, KeyReusedWithDifferentRequest | RequestInFlight
-            ):
-                note_outcome(scope, RequestOutcome.REJECTED)
-            elif isinstance(error, StoreUnavailable):
-                note_outcome(scope, RequestOutcome.STORE_UNAVAILABLE)
+            report.refused(error)
             await send_problem(
                 send,
                 error,
                 request_id=request_id_of(scope),
                 error_format=policy.config.error_format,
             )
+            return None
 
     def _client_key(self, scope: Scope, policy: RoutePolicy) -> tuple[str, str] | None:
-        """The key and scope of a client's keyed request; ``None``: no key, none required."""
+        """The key and tenant of a client's keyed request; ``None``: no key, none required."""
         headers = scope["headers"]
         key = parse_idempotency_key(headers, self.header_name)
         if key is None:
@@ -231,30 +233,36 @@ class IdempotencyMiddleware:
                 )
             return None
         scope["headers"] = headers = with_bare_key(headers, self.header_name, key)
-        client_scope = scope_of(headers, self.scope_headers, secret=self.scope_secret)
-        if client_scope == ANONYMOUS_SCOPE and policy.config.anonymous is AnonymousPolicy.REFUSE:
+        tenant = tenant_of(headers, self.scope_headers, secret=self.scope_secret)
+        if tenant == ANONYMOUS_TENANT and policy.config.anonymous is AnonymousPolicy.REFUSE:
             raise CredentialRequired(
                 "keyed requests on this route must carry a credential in "
                 + ", ".join(name.decode() for name in self.scope_headers)
             )
-        return key, client_scope
+        return key, tenant
 
     async def _protect(
-        self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy, target: RequestTarget
-    ) -> None:
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        policy: RoutePolicy,
+        target: RequestTarget,
+        report: Report,
+    ) -> bytes | None:
         body: bytes | None = None
         if policy.webhook is not None:
             # Verified on the bytes as sent, before anything is recorded or cached.
             body = await read_body(receive, scope["headers"], limit=self.max_request_body)
-            key, client_scope = policy.webhook.identify(
+            key, tenant = policy.webhook.identify(
                 scope["headers"], body, scope_secret=self.scope_secret
             )
         else:
             keyed = self._client_key(scope, policy)
             if keyed is None:
                 await self.app(scope, receive, send)
-                return
-            key, client_scope = keyed
+                return None
+            key, tenant = keyed
         headers = scope["headers"]
         operation = policy.operation(scope["method"], target)
         if len(operation) > OPERATION_MAX_LENGTH:
@@ -270,7 +278,7 @@ class IdempotencyMiddleware:
             body=body,
             send=send,
             policy=policy,
-            key=RecordKey(client_scope, operation, key),
+            key=RecordKey(tenant, operation, key),
             fingerprint=await fingerprint(
                 functools.partial(
                     request_hash,
@@ -285,12 +293,15 @@ class IdempotencyMiddleware:
                 body_size=len(body),
             ),
             wait=min(requested_wait(headers) or 0, policy.config.wait_max),
+            report=report,
         )
+        report.key = request.key
         try:
             await self.engine.handle(request)
         except StoreUnavailable:
             if self.store_unavailable is StoreUnavailablePolicy.FAIL_CLOSED:
                 raise
             log.warning("store unavailable: proxying without idempotency protection")
-            note_outcome(scope, RequestOutcome.STORE_DOWN_PASSED_THROUGH)
-            await self.app(scope, replay_receive(body), send)
+            report.verdict = Verdict.PASSED_THROUGH
+            return body
+        return None

@@ -61,14 +61,16 @@ class RoutePolicies:
     def __init__(
         self, routes: Iterable[RouteConfig], *, replay_header: str = DEFAULT_REPLAY_HEADER
     ) -> None:
-        # Keyed by the route itself (frozen, so hashed by value): names need not be unique.
-        self._by_route = {
-            route: RoutePolicy(route.name, route.idempotency, route.match, replay_header)
+        # Keyed by name: the config refuses a route name used twice
+        # (``config.route_reference_errors``); the request log and metrics tell routes apart
+        # by it too.
+        self._by_name = {
+            route.name: RoutePolicy(route.name, route.idempotency, route.match, replay_header)
             for route in routes
         }
 
     def __call__(self, target: RequestTarget) -> RoutePolicy | None:
-        return None if target.route is None else self._by_route[target.route]
+        return None if target.route is None else self._by_name[target.route.name]
 
 
 PolicyResolver = Callable[[RequestTarget], RoutePolicy | None]

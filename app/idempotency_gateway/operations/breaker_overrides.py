@@ -7,13 +7,12 @@ process picks it up on its next sync (every ``interval`` seconds).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime
 
-from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
+from idempotency_gateway.resilience.periodic import repeat
 from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
@@ -66,9 +65,4 @@ class BreakerOverrides:
         self._applied[upstream] = state
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.sync_once()
-            except StoreUnavailable as exc:
-                self.degradation.failed(exc)
-            await asyncio.sleep(self.interval)
+        await repeat(self.sync_once, every=self.interval, degradation=self.degradation)

@@ -20,12 +20,11 @@ clock) and applies any it had not read before.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from datetime import timedelta
 
-from idempotency_gateway.errors import StoreUnavailable
 from idempotency_gateway.replay.cache import ReplayCache
+from idempotency_gateway.resilience.periodic import repeat
 from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
@@ -81,10 +80,10 @@ class CacheInvalidations:
             self._seen = max(self._seen, rows[-1].id)
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-            except StoreUnavailable as exc:
-                self.degradation.failed(exc)
-                self.cache.clear()
-            await asyncio.sleep(self.interval)
+        # A failed poll cannot know what it missed: the whole per-process cache goes.
+        await repeat(
+            self.poll_once,
+            every=self.interval,
+            degradation=self.degradation,
+            on_failure=self.cache.clear,
+        )

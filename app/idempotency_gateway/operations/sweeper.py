@@ -6,12 +6,12 @@ time, so a fleet of gateways does the work once, not N times.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from idempotency_gateway.config import SweeperConfig
-from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.resilience.periodic import repeat
 from idempotency_gateway.storage.base import RecordStore
+from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import SWEPT_RECORDS
 
 log = logging.getLogger(__name__)
@@ -21,6 +21,9 @@ class Sweeper:
     def __init__(self, store: RecordStore, config: SweeperConfig) -> None:
         self.store = store
         self.config = config
+        self.degradation = DegradationLog(
+            "the sweeper's store", fallback="expired records wait for the next sweep"
+        )
 
     async def sweep_once(self) -> int | None:
         deleted = await self.store.sweep(batch_size=self.config.batch_size)
@@ -30,9 +33,9 @@ class Sweeper:
         return deleted
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval)
-            try:
-                await self.sweep_once()
-            except StoreUnavailable:
-                log.warning("sweep skipped: store unavailable")
+        await repeat(
+            self.sweep_once,
+            every=self.config.interval,
+            degradation=self.degradation,
+            wait_first=True,
+        )

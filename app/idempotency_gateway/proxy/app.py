@@ -20,10 +20,15 @@ from idempotency_gateway.asgi import (
     read_body,
 )
 from idempotency_gateway.config import ErrorFormat, GatewayConfig, OnAmbiguous, RouteConfig
-from idempotency_gateway.errors import GatewayError, NoRouteMatched, UpstreamError, UpstreamNotSent
+from idempotency_gateway.errors import (
+    GatewayError,
+    NoRouteMatched,
+    UpstreamAmbiguous,
+    UpstreamError,
+    UpstreamNotSent,
+)
 from idempotency_gateway.execution import Outcome, execution_of
 from idempotency_gateway.problems import send_problem
-from idempotency_gateway.proxy.client import UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
 from idempotency_gateway.proxy.headers import client_response_headers, upstream_request_headers
 from idempotency_gateway.proxy.resilient import (
@@ -32,6 +37,7 @@ from idempotency_gateway.proxy.resilient import (
     ResilientUpstream,
     RetryPlan,
 )
+from idempotency_gateway.proxy.upstream_client import UpstreamRequest, UpstreamResponse
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.target import RequestTarget, target_of
 from idempotency_gateway.telemetry.request_log import RequestOutcome, note_outcome, request_log_of
@@ -53,6 +59,18 @@ def upstream_target(base_path: bytes, target: RequestTarget) -> bytes:
     return path + b"?" + target.query if target.query else path
 
 
+def _key_runs_again_after_ambiguity(scope: Scope) -> bool:
+    """Whether a keyed execution that may have reached the upstream leaves its record
+    retryable (``on_ambiguous: retry``): the one decision behind both the proxy's own retry
+    of an ambiguous failure and the ``retryable`` the client is told."""
+    route = target_of(scope).route
+    return (
+        execution_of(scope) is not None
+        and route is not None
+        and route.idempotency.on_ambiguous is OnAmbiguous.RETRY
+    )
+
+
 class ProxyApp:
     def __init__(self, config: GatewayConfig, upstreams: Mapping[str, ResilientUpstream]) -> None:
         self.config = config
@@ -72,7 +90,7 @@ class ProxyApp:
             return
         except UpstreamError as error:
             self._report(scope, error)
-            await self._send_error(scope, send, error)
+            await self._send_error(scope, send, self._answer_for(scope, error))
         except GatewayError as error:
             await self._send_error(scope, send, error)
 
@@ -82,18 +100,20 @@ class ProxyApp:
         await send_problem(send, error, request_id=request_id_of(scope), error_format=error_format)
 
     def _report(self, scope: Scope, error: UpstreamError) -> None:
-        """Tell the idempotency layer whether the request left, and the client whether a
-        retry with its key will run again."""
+        """Tell the idempotency layer whether the request left."""
         not_sent = isinstance(error, UpstreamNotSent)
         if not_sent:
             note_outcome(scope, RequestOutcome.NOT_EXECUTED)
         execution = execution_of(scope)
-        if execution is None:
-            return
-        execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
-        if not not_sent and self._retries_ambiguous(scope):
+        if execution is not None:
+            execution.report(Outcome.NOT_EXECUTED if not_sent else Outcome.AMBIGUOUS)
+
+    def _answer_for(self, scope: Scope, error: UpstreamError) -> UpstreamError:
+        """The error the client gets: it says whether a retry with its key will run again."""
+        if isinstance(error, UpstreamAmbiguous) and _key_runs_again_after_ambiguity(scope):
             # The record stays retryable: the client's retry with the key runs again.
-            error.retryable = True
+            return type(error)(error.detail, retryable=True)
+        return error
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = target_of(scope)
@@ -143,22 +163,15 @@ class ProxyApp:
             response.release()
 
     @staticmethod
-    def _retries_ambiguous(scope: Scope) -> bool:
-        route = target_of(scope).route
-        return route is not None and route.idempotency.on_ambiguous is OnAmbiguous.RETRY
-
-    @staticmethod
     def _retry_plan(route: RouteConfig, scope: Scope) -> RetryPlan:
         method = scope["method"]
         # A key forwarded upstream makes any method safe to resend: the record and the
         # upstream both dedupe on it.
         keyed = execution_of(scope) is not None
-        idempotency = route.idempotency
         return RetryPlan(
             idempotent=keyed or method in IDEMPOTENT_METHODS,
-            retry_ambiguous=method in SAFE_METHODS
-            or (keyed and idempotency.on_ambiguous is OnAmbiguous.RETRY),
-            ambiguous_statuses=idempotency.outcomes.ambiguous,
+            retry_ambiguous=method in SAFE_METHODS or _key_runs_again_after_ambiguity(scope),
+            ambiguous_statuses=route.idempotency.outcomes.ambiguous,
         )
 
     @staticmethod

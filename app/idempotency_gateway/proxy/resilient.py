@@ -33,8 +33,12 @@ from idempotency_gateway.errors import (
     UpstreamTimeout,
 )
 from idempotency_gateway.execution import Execution
-from idempotency_gateway.proxy.client import UpstreamClient, UpstreamRequest, UpstreamResponse
 from idempotency_gateway.proxy.deadline import Deadline
+from idempotency_gateway.proxy.upstream_client import (
+    UpstreamClient,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 from idempotency_gateway.resilience.backoff import parse_retry_after, pause_before_retry
 from idempotency_gateway.resilience.breaker import CircuitBreaker, TransitionListener
 from idempotency_gateway.resilience.budget import RetryBudget

@@ -1,7 +1,7 @@
 """A worker's heap once it is ready: out of the garbage collector's way.
 
 A gateway worker imports and builds some hundred thousand long-lived objects (FastAPI,
-pydantic, SQLAlchemy, asyncpg, aiohttp, the config) before its first request, and every
+pydantic, SQLAlchemy, asyncpg, redis, the config) before its first request, and every
 request allocates a few hundred short-lived ones. CPython's collector walks the long-lived
 ones again on each full collection, and runs a young collection every 700 net allocations:
 on pass-through that was about a fifth of a worker's CPU (measured: see

@@ -7,10 +7,10 @@ more than a bounded index scan) is cheap next to the traffic.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 
 from idempotency_gateway.errors import StoreUnavailable
+from idempotency_gateway.resilience.periodic import repeat
 from idempotency_gateway.telemetry.degradation import DegradationLog
 from idempotency_gateway.telemetry.metrics import STUCK_RECORDS
 
@@ -33,11 +33,12 @@ class StuckRecordsSampler:
 
     async def sample(self) -> None:
         try:
-            STUCK_RECORDS.set(await self._count_stuck(limit=self.limit))
+            await self._sample()
         except StoreUnavailable as exc:
             self.degradation.failed(exc)
 
+    async def _sample(self) -> None:
+        STUCK_RECORDS.set(await self._count_stuck(limit=self.limit))
+
     async def run(self) -> None:
-        while True:
-            await self.sample()
-            await asyncio.sleep(self.every)
+        await repeat(self._sample, every=self.every, degradation=self.degradation)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import base64
 import ssl
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from idempotency_gateway.asgi import Headers, first_header
@@ -30,7 +32,7 @@ from idempotency_gateway.execution import Execution
 from idempotency_gateway.proxy.connection import UpstreamConnection
 from idempotency_gateway.proxy.pool import ConnectionPool
 
-# Methods without a body by definition: like aiohttp before, every other method without a
+# Methods without a body by definition: as HTTP clients commonly do, every other method without a
 # body says so with ``Content-Length: 0`` (some servers answer 411 to a POST without it).
 _BODYLESS_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 
@@ -78,9 +80,14 @@ class UpstreamResponse:
         if connection is not None:
             self._pool.release(connection, reusable=connection.complete and connection.keep_alive)
 
-    # A response dropped unreleased (a bug) must not hold its connection's place in the pool
-    # for good: the cap would shrink by one each time.
-    __del__ = release
+    def __del__(self, _warnings: Any = warnings) -> None:
+        # A response dropped unreleased is a bug: it must not hold its connection's place in
+        # the pool for good (the cap would shrink by one each time), and it is reported with a
+        # ResourceWarning. ``warnings`` is bound as a default: at interpreter exit the
+        # module global may already be gone.
+        if self._connection is not None:
+            self.release()
+            _warnings.warn(f"unreleased upstream response {self!r}", ResourceWarning, source=self)
 
     async def chunks(self) -> AsyncIterator[tuple[bytes, bool]]:
         """The body as it arrives, each chunk with whether it is the last (the whole body
@@ -109,7 +116,7 @@ class UpstreamClient:
         authority = base.netloc.rpartition("@")[2]
         self._host_line = b" HTTP/1.1\r\nHost: " + authority.encode("ascii")
         # Credentials in the base URL become Basic authentication, in place of the client's
-        # own Authorization, as aiohttp sent them.
+        # own Authorization, as HTTP clients commonly send them.
         self._authorization: bytes | None = None
         if base.username is not None:
             credentials = f"{unquote(base.username)}:{unquote(base.password or '')}"
