@@ -121,7 +121,7 @@ def payments_config(upstream_url: str, payments: str) -> GatewayConfig:
 
 def by_scope(key: str, **extra: Any) -> dict[str, Any]:
     """Query parameters naming the record of a ``send_keyed`` request by its scope hash."""
-    return {"operation": OPERATION, "key": key, "scope": record_key(key).scope, **extra}
+    return {"operation": OPERATION, "key": key, "scope": record_key(key).tenant, **extra}
 
 
 def by_credential(key: str, **extra: Any) -> dict[str, Any]:
@@ -320,7 +320,7 @@ async def test_record_is_found_by_scope_hash_and_by_raw_credential(
     assert by_secret.status_code == 200, by_secret.text
     view = by_hash.json()
     assert by_secret.json() == view
-    assert view["scope"] == record_key(key).scope
+    assert view["scope"] == record_key(key).tenant
     assert view["operation"] == OPERATION
     assert view["idempotency_key"] == key
     assert view["status"] == "SUCCEEDED"
@@ -361,7 +361,7 @@ async def test_a_key_is_found_in_every_scope_and_operation_it_was_used_in(
     one = await by_key(key=key, limit=1)
     unknown = await by_key(key=unique("never-sent"))
 
-    mine = record_key(key).scope
+    mine = record_key(key).tenant
     assert sorted((match["scope"] == mine, match["operation"]) for match in everywhere) == [
         (False, OPERATION),
         (True, OPERATION),
@@ -629,7 +629,7 @@ async def test_owner_killed_mid_flight_is_listed_as_stuck_once_its_lease_ran_out
         )
 
     assert stuck["status"] == "IN_PROGRESS"
-    assert stuck["scope"] == record_key(key).scope
+    assert stuck["scope"] == record_key(key).tenant
     assert stuck["fencing_token"] >= 1
     assert datetime.fromisoformat(stuck["lease_expires_at"]) <= datetime.now(UTC)
     assert upstream.count(key) == 1

@@ -100,7 +100,7 @@ async def test_an_admin_delete_stops_every_worker_replaying_the_old_answer(
         assert all(is_replay(answer) for answer in warm)
         assert executions(warm) == {old}
 
-        scope = record_key(key).scope
+        scope = record_key(key).tenant
         deleted = await client.request(
             "DELETE",
             f"{two_workers.admin_url}/admin/records",
@@ -152,7 +152,7 @@ async def test_a_delete_committed_after_a_newer_one_is_still_applied(
         await slow.execute(
             "INSERT INTO cache_invalidations (scope, operation, idempotency_key, created_at)"
             " VALUES ($1, $2, $3, now())",
-            late.scope,
+            late.tenant,
             late.operation,
             late.idempotency_key,
         )

@@ -195,7 +195,7 @@ async def test_an_execution_reports_not_executed_or_ambiguous_by_what_had_left(
         await never_sent.confirm()
     assert never_sent.outcome is Outcome.NOT_EXECUTED
 
-    other_key = RecordKey(key.scope, key.operation, key.idempotency_key + "-sent")
+    other_key = RecordKey(key.tenant, key.operation, key.idempotency_key + "-sent")
     second = await reserved(store, other_key)
     sent_once = Execution(other_key.idempotency_key, second.fencing_token)
     sent_once.lease = lease_of(store, second, clock)

@@ -176,7 +176,7 @@ async def admin_delete(gateway: GatewayProcess, key: str) -> None:
     async with httpx.AsyncClient(trust_env=False, timeout=30.0) as admin:
         deleted = await admin.delete(
             f"{gateway.admin_url}/admin/records",
-            params={"operation": f"POST {CHARGES}", "key": key, "scope": record_key(key).scope},
+            params={"operation": f"POST {CHARGES}", "key": key, "scope": record_key(key).tenant},
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
         )
     assert deleted.status_code == 200, deleted.text

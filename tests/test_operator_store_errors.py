@@ -68,7 +68,7 @@ async def test_deleting_a_record_without_a_database_is_a_503() -> None:
     async with admin_without_database() as (_gateway, admin):
         response = await admin.delete(
             "/admin/records",
-            params={"operation": KEY.operation, "key": KEY.idempotency_key, "scope": KEY.scope},
+            params={"operation": KEY.operation, "key": KEY.idempotency_key, "scope": KEY.tenant},
             headers=ADMIN,
         )
         assert_store_unavailable(response)

@@ -25,7 +25,7 @@ async def test_rows_written_through_sqlalchemy_read_and_compare_as_the_stores_ow
     written = clock.now = datetime(2030, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
     earlier = RecordKey("scope", OPERATION, "written-by-sqlalchemy")
     row = {
-        "scope": earlier.scope,
+        "scope": earlier.tenant,
         "operation": earlier.operation,
         "idempotency_key": earlier.idempotency_key,
         "request_hash": "h",

@@ -87,7 +87,7 @@ def key(make_key: Callable[[str], RecordKey]) -> RecordKey:
 async def stored_body_columns(database_url: str, key: RecordKey) -> tuple[bytes, bool]:
     """The body as it sits in the table, bypassing the store's decoding."""
     statement = select(records.c.response_body, records.c.body_compressed).where(
-        records.c.scope == key.scope,
+        records.c.scope == key.tenant,
         records.c.operation == key.operation,
         records.c.idempotency_key == key.idempotency_key,
     )

@@ -57,7 +57,7 @@ _KEY_MATCHES = "scope = $1 AND operation = $2 AND idempotency_key = $3"
 
 
 def _key_args(key: RecordKey) -> tuple[str, str, str]:
-    return key.scope, key.operation, key.idempotency_key
+    return key.tenant, key.operation, key.idempotency_key
 
 
 @pytest.fixture

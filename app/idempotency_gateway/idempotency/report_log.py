@@ -37,7 +37,7 @@ def note_report(scope: Scope, report: Report) -> None:
     if report.route is not None:
         entry.route = report.route
     if report.key is not None:
-        entry.scope_hash = report.key.scope
+        entry.scope_hash = report.key.tenant
         entry.key_hash = key_hash(report.key.idempotency_key)
     if report.verdict is not None:
         entry.outcome = _OUTCOMES[report.verdict]

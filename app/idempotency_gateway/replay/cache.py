@@ -85,7 +85,7 @@ def cache_key(key: RecordKey, *, prefix: str = "idgw:r:") -> str:
     """A fixed-length name: client-chosen keys never shape the cache's key space. The digest
     is a Redis Cluster hash tag, so a key's entry and its wake-up channel share a slot."""
     digest = hashlib.sha256()
-    for part in (key.scope, key.operation, key.idempotency_key):
+    for part in (key.tenant, key.operation, key.idempotency_key):
         encoded = part.encode()
         digest.update(len(encoded).to_bytes(4, "big") + encoded)
     return f"{prefix}{{{digest.hexdigest()}}}"
@@ -96,7 +96,7 @@ def encode(answer: CachedAnswer) -> bytes:
     meta = orjson.dumps(
         {
             "v": _FORMAT,
-            "k": [answer.key.scope, answer.key.operation, answer.key.idempotency_key],
+            "k": [answer.key.tenant, answer.key.operation, answer.key.idempotency_key],
             "h": answer.request_hash,
             "s": answer.status.value,
             "rs": answer.response.status,

@@ -167,7 +167,7 @@ class PostgresRecordStore(RecordStore):
         return self._pinned_clock() if self._pinned_clock is not None else None
 
     def _key(self, key: RecordKey) -> tuple[str, str, str]:
-        return key.scope, key.operation, key.idempotency_key
+        return key.tenant, key.operation, key.idempotency_key
 
     async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
         """Insert a fresh ``IN_PROGRESS`` row, or return the row that holds the key."""

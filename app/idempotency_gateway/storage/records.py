@@ -28,7 +28,9 @@ REPLAYABLE = frozenset({Status.SUCCEEDED, Status.FAILED_FINAL})
 
 @dataclass(frozen=True, slots=True)
 class RecordKey:
-    scope: str
+    # The client's tenant: the HMAC of its credentials (or a webhook sender's), kept in the
+    # tables' ``scope`` column and shown as ``scope`` by the admin API, names they had first.
+    tenant: str
     operation: str
     idempotency_key: str
 

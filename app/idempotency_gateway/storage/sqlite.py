@@ -68,7 +68,7 @@ def _record(row: sqlite3.Row) -> Record:
 
 
 def _key(key: RecordKey) -> dict[str, str]:
-    return {"scope": key.scope, "operation": key.operation, "key": key.idempotency_key}
+    return {"scope": key.tenant, "operation": key.operation, "key": key.idempotency_key}
 
 
 def _fence(fence: Fence) -> dict[str, Any]:

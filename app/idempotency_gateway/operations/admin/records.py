@@ -110,7 +110,7 @@ async def _change(
     if not changed:
         raise not_found("no record for that scope, operation and key")
     log_admin_action(
-        f"record {change}", client=request.client, scope=key.scope, operation=key.operation
+        f"record {change}", client=request.client, scope=key.tenant, operation=key.operation
     )
     return {change: True}
 

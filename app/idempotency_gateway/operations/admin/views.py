@@ -38,7 +38,7 @@ class RecordView(BaseModel):
     def of(cls, record: Record, *, include_body: bool = False) -> Self:
         answer = record.response
         return cls(
-            scope=record.key.scope,
+            scope=record.key.tenant,
             operation=record.key.operation,
             idempotency_key=record.key.idempotency_key,
             request_hash=record.request_hash,
