@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -23,6 +24,8 @@ from idempotency_gateway.migrate import upgrade_to_head
 from idempotency_gateway.storage.base import RecordStore, asyncpg_dsn_of
 from tests.support import RecordingUpstream
 from tests.support.clock import ManualClock
+from tests.support.gateway import GatewayLauncher, RunningGateway, StartGateway, gateway_config
+from tests.support.keyed import keyed_gateway_config
 
 DEFAULT_TEST_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/idempotency_gateway_test"
 # Database 15 belongs to the tests alone. It is never flushed: test sessions may run side by
@@ -99,6 +102,26 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
     """A fresh recording upstream per test: tests count its executions, so none is shared."""
     async with RecordingUpstream() as running:
         yield running
+
+
+@pytest.fixture
+async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGateway]:
+    """In-process gateways on demand (see ``StartGateway``), stopped before ``upstream``."""
+    async with GatewayLauncher() as launcher:
+
+        async def start(
+            database_url: str,
+            *,
+            upstream_url: str | None = None,
+            redis_url: str | None = None,
+            keyed: bool = False,
+            **sections: Any,
+        ) -> RunningGateway:
+            build_config = keyed_gateway_config if keyed else gateway_config
+            config = build_config(upstream_url or upstream.url, **sections)
+            return await launcher.start(config, database_url=database_url, redis_url=redis_url)
+
+        yield start
 
 
 @pytest.fixture
