@@ -4,52 +4,29 @@
 from ``GATEWAY_TEST_DATABASE_URL``. Nothing here is skipped when PostgreSQL is missing: the
 suite fails loudly instead, because a store test that did not run proves nothing. Redis comes
 from ``GATEWAY_TEST_REDIS_URL`` (default: database 15 of the local server), just as loudly.
+The one exception is asked for by name: ``--sqlite-only`` (tests/support/services.py).
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 import redis
 import redis.asyncio
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.migrate import upgrade_to_head
-from idempotency_gateway.storage.base import RecordStore, asyncpg_dsn_of
+from idempotency_gateway.storage.base import RecordStore
 from tests.support import RecordingUpstream
 from tests.support.clock import ManualClock
 from tests.support.gateway import GatewayLauncher, RunningGateway, StartGateway, gateway_config
 from tests.support.keyed import keyed_gateway_config
 
-DEFAULT_TEST_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/idempotency_gateway_test"
-# Database 15 belongs to the tests alone. It is never flushed: test sessions may run side by
-# side, so every test uses unique keys, and every entry expires with its record.
-DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
-
-
-@pytest.fixture(scope="session")
-def postgres_url() -> str:
-    url = os.environ.get("GATEWAY_TEST_DATABASE_URL", DEFAULT_TEST_DATABASE_URL)
-    upgrade_to_head(url)
-    return url
-
-
-@pytest.fixture(scope="session")
-def redis_url() -> str:
-    """The tests' own Redis database; fails loudly when Redis does not answer."""
-    url = os.environ.get("GATEWAY_TEST_REDIS_URL", DEFAULT_TEST_REDIS_URL)
-    client = redis.Redis.from_url(url)
-    try:
-        client.ping()
-    finally:
-        client.close()
-    return url
+pytest_plugins = ["tests.support.services"]
 
 
 @pytest.fixture
@@ -68,12 +45,9 @@ def sqlite_url(tmp_path: Path) -> str:
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, postgres_url: str, tmp_path: Path) -> str:
-    """Each test that takes this runs against both stores."""
-    if request.param == "postgresql":
-        return postgres_url
-    url = f"sqlite+aiosqlite:///{tmp_path / 'records.db'}"
-    upgrade_to_head(url)
+def database_url(request: pytest.FixtureRequest) -> str:
+    """Each test that takes this runs against both stores; the SQLite half needs no server."""
+    url: str = request.getfixturevalue(f"{request.param}_url")
     return url
 
 
@@ -122,17 +96,3 @@ async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGatew
             return await launcher.start(config, database_url=database_url, redis_url=redis_url)
 
         yield start
-
-
-@pytest.fixture
-async def empty_postgres_database(postgres_url: str) -> AsyncIterator[str]:
-    """A fresh PostgreSQL database nobody migrated, on the test server, dropped afterwards."""
-    name = f"igw_empty_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        base, _, _ = postgres_url.rpartition("/")
-        yield f"{base}/{name}"
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()

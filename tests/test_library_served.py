@@ -50,13 +50,12 @@ def _listen_args(server: str, port: int) -> list[str]:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def fresh_database(
-    request: pytest.FixtureRequest, tmp_path: Path, empty_postgres_database: str
-) -> str:
+def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A database nobody migrated: a new SQLite file, or a new PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'idempotency.db'}"
-    return empty_postgres_database
+    url: str = request.getfixturevalue("empty_postgres_database")
+    return url
 
 
 @contextlib.asynccontextmanager
