@@ -9,8 +9,9 @@ The one exception is asked for by name: ``--sqlite-only`` (tests/support/service
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,11 @@ import redis.asyncio
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.migrate import upgrade_to_head
 from idempotency_gateway.storage.base import RecordStore
-from tests.support import RecordingUpstream
+from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.clock import ManualClock
 from tests.support.gateway import GatewayLauncher, RunningGateway, StartGateway, gateway_config
 from tests.support.keyed import keyed_gateway_config
+from tests.support.servers import StartGatewayProcess
 
 pytest_plugins = ["tests.support.services"]
 
@@ -96,3 +98,29 @@ async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGatew
             return await launcher.start(config, database_url=database_url, redis_url=redis_url)
 
         yield start
+
+
+@pytest.fixture
+async def start_gateway_process(tmp_path: Path) -> AsyncIterator[StartGatewayProcess]:
+    """Gateway processes on demand (see ``StartGatewayProcess``), named gateway-0, gateway-1..."""
+    started: list[GatewayProcess] = []
+
+    async def start(
+        config: dict[str, Any], *, env: dict[str, str], extra_args: Sequence[str] = ()
+    ) -> GatewayProcess:
+        name = f"gateway-{len(started)}"
+        gateway = GatewayProcess(
+            write_config(tmp_path, config, name=f"{name}.yaml"),
+            env=env,
+            extra_args=extra_args,
+            log_dir=tmp_path,
+            name=name,
+        )
+        started.append(gateway)
+        await gateway.start()
+        return gateway
+
+    yield start
+    await asyncio.gather(*(gateway.stop() for gateway in started), return_exceptions=True)
+    for gateway in started:
+        print(f"--- {gateway.name} log tail ---\n{gateway.log_tail()}")
