@@ -30,6 +30,15 @@ from tests.support.servers import StartGatewayProcess
 
 pytest_plugins = ["tests.support.services"]
 
+# Several gateway processes, or a fault run, take seconds whatever the test: both are slow.
+SLOW_BY_NATURE = ("multiprocess", "faults")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) for name in SLOW_BY_NATURE):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 async def redis_client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:

@@ -25,6 +25,8 @@ from tests.support.readme import python_example
 from tests.support.servers import LOOPBACK, free_port
 from tests.support.waiting import eventually
 
+pytestmark = pytest.mark.slow
+
 CHARGE = {"amount": 1250, "currency": "eur"}
 _START_TIMEOUT = 60.0
 
