@@ -55,10 +55,13 @@ def sqlite_url(tmp_path: Path) -> str:
     return url
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+URL_FIXTURE_OF_STORE = {"postgresql": "postgres_url", "sqlite": "sqlite_url"}
+
+
+@pytest.fixture(params=list(URL_FIXTURE_OF_STORE))
 def database_url(request: pytest.FixtureRequest) -> str:
     """Each test that takes this runs against both stores; the SQLite half needs no server."""
-    url: str = request.getfixturevalue(f"{request.param}_url")
+    url: str = request.getfixturevalue(URL_FIXTURE_OF_STORE[request.param])
     return url
 
 
