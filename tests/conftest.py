@@ -4,51 +4,41 @@
 from ``GATEWAY_TEST_DATABASE_URL``. Nothing here is skipped when PostgreSQL is missing: the
 suite fails loudly instead, because a store test that did not run proves nothing. Redis comes
 from ``GATEWAY_TEST_REDIS_URL`` (default: database 15 of the local server), just as loudly.
+The one exception is asked for by name: ``--sqlite-only`` (tests/support/services.py).
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-import asyncpg
 import pytest
 import redis
 import redis.asyncio
 
 from idempotency_gateway.config import StoreConfig
-from idempotency_gateway.database_url import asyncpg_dsn_of
 from idempotency_gateway.migrate import upgrade_to_head
 from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import RecordStore
-from tests.support import RecordingUpstream
+from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.clock import ManualClock
+from tests.support.gateway import GatewayLauncher, RunningGateway, StartGateway, gateway_config
+from tests.support.keyed import keyed_gateway_config
+from tests.support.servers import StartGatewayProcess
 
-DEFAULT_TEST_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/idempotency_gateway_test"
-# Database 15 belongs to the tests alone. It is never flushed: test sessions may run side by
-# side, so every test uses unique keys, and every entry expires with its record.
-DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
+pytest_plugins = ["tests.support.services"]
 
-
-@pytest.fixture(scope="session")
-def postgres_url() -> str:
-    url = os.environ.get("GATEWAY_TEST_DATABASE_URL", DEFAULT_TEST_DATABASE_URL)
-    upgrade_to_head(url)
-    return url
+# Several gateway processes, or a fault run, take seconds whatever the test: both are slow.
+SLOW_BY_NATURE = ("multiprocess", "faults")
 
 
-@pytest.fixture(scope="session")
-def redis_url() -> str:
-    """The tests' own Redis database; fails loudly when Redis does not answer."""
-    url = os.environ.get("GATEWAY_TEST_REDIS_URL", DEFAULT_TEST_REDIS_URL)
-    client = redis.Redis.from_url(url)
-    try:
-        client.ping()
-    finally:
-        client.close()
-    return url
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) for name in SLOW_BY_NATURE):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
@@ -66,13 +56,13 @@ def sqlite_url(tmp_path: Path) -> str:
     return url
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, postgres_url: str, tmp_path: Path) -> str:
-    """Each test that takes this runs against both stores."""
-    if request.param == "postgresql":
-        return postgres_url
-    url = f"sqlite:///{tmp_path / 'records.db'}"
-    upgrade_to_head(url)
+URL_FIXTURE_OF_STORE = {"postgresql": "postgres_url", "sqlite": "sqlite_url"}
+
+
+@pytest.fixture(params=list(URL_FIXTURE_OF_STORE))
+def database_url(request: pytest.FixtureRequest) -> str:
+    """Each test that takes this runs against both stores; the SQLite half needs no server."""
+    url: str = request.getfixturevalue(URL_FIXTURE_OF_STORE[request.param])
     return url
 
 
@@ -104,14 +94,46 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
 
 
 @pytest.fixture
-async def empty_postgres_database(postgres_url: str) -> AsyncIterator[str]:
-    """A fresh PostgreSQL database nobody migrated, on the test server, dropped afterwards."""
-    name = f"igw_empty_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(asyncpg_dsn_of(postgres_url))
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        base, _, _ = postgres_url.rpartition("/")
-        yield f"{base}/{name}"
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
+async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGateway]:
+    """In-process gateways on demand (see ``StartGateway``), stopped before ``upstream``."""
+    async with GatewayLauncher() as launcher:
+
+        async def start(
+            database_url: str,
+            *,
+            upstream_url: str | None = None,
+            redis_url: str | None = None,
+            keyed: bool = False,
+            **sections: Any,
+        ) -> RunningGateway:
+            build_config = keyed_gateway_config if keyed else gateway_config
+            config = build_config(upstream_url or upstream.url, **sections)
+            return await launcher.start(config, database_url=database_url, redis_url=redis_url)
+
+        yield start
+
+
+@pytest.fixture
+async def start_gateway_process(tmp_path: Path) -> AsyncIterator[StartGatewayProcess]:
+    """Gateway processes on demand (see ``StartGatewayProcess``), named gateway-0, gateway-1..."""
+    started: list[GatewayProcess] = []
+
+    async def start(
+        config: dict[str, Any], *, env: dict[str, str], extra_args: Sequence[str] = ()
+    ) -> GatewayProcess:
+        name = f"gateway-{len(started)}"
+        gateway = GatewayProcess(
+            write_config(tmp_path, config, name=f"{name}.yaml"),
+            env=env,
+            extra_args=extra_args,
+            log_dir=tmp_path,
+            name=name,
+        )
+        started.append(gateway)
+        await gateway.start()
+        return gateway
+
+    yield start
+    await asyncio.gather(*(gateway.stop() for gateway in started), return_exceptions=True)
+    for gateway in started:
+        print(f"--- {gateway.name} log tail ---\n{gateway.log_tail()}")

@@ -21,6 +21,8 @@ from tests.support import GatewayProcess, RecordingUpstream, serve_asgi
 from tests.support.charges import CHARGES
 from tests.support.edge import Reply, edge_gateway, exchange, parse_reply, request
 
+pytestmark = pytest.mark.slow
+
 CREDENTIAL = ("Authorization", "Bearer attacker")
 
 

@@ -23,6 +23,8 @@ from benchmarks.processes import clean_environment, free_port, spawn, wait_until
 from benchmarks.scenarios import SERVER_BY_ID
 from benchmarks.servers import ServerSpec, missing_modules
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 GZIP_BYTES = gzip.compress(b"ok", mtime=0)
 REDIRECT = (

@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = "| scenario | load | req/s | p50 (ms) | p99 (ms) | errors | vs baseline |"
 

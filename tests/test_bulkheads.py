@@ -41,6 +41,8 @@ from tests.support.servers import GatewayProcess, write_config
 from tests.support.upstream import RecordingUpstream
 from tests.support.waiting import eventually
 
+pytestmark = pytest.mark.slow
+
 CHARGES = "/v1/charges"
 EXPORTS = "/v1/exports"
 OPTIONAL_SLOTS = 4

@@ -32,6 +32,8 @@ from tests.support.charges import CHARGE, CHARGES
 from tests.support.keyed import AUTHORIZATION, is_replay, keyed_gateway_config, record_key
 from tests.support.upstream import KEY_HEADER
 
+pytestmark = pytest.mark.slow
+
 TOKEN = "invalidation-admin-token"
 # The README's promise: one poll interval plus a query. The slack absorbs a loaded machine.
 INVALIDATION_BOUND = POLL_INTERVAL + 2.0

@@ -36,6 +36,8 @@ from tests.support.clock import ManualClock
 from tests.support.problems import assert_problem
 from tests.support.servers import PROJECT_ROOT
 
+pytestmark = pytest.mark.slow
+
 CLI = (sys.executable, "-m", "idempotency_gateway.cli")
 EMBEDDED_DATABASE_FILE = "idempotency-gateway.db"
 RECORDS_TABLE = "idempotency_records"

@@ -44,6 +44,8 @@ from idempotency_gateway.serve import GRACEFUL_SHUTDOWN_SECONDS
 from tests.support import GatewayProcess, eventually, write_config
 from tests.support.servers import PROJECT_ROOT
 
+pytestmark = pytest.mark.slow
+
 DEPLOY = PROJECT_ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 DOCKERFILE = PROJECT_ROOT / "Dockerfile"

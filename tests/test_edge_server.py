@@ -38,6 +38,8 @@ from tests.support.edge import (
 from tests.support.gateway import gateway_config
 from tests.support.servers import TEST_SCOPE_SECRET
 
+pytestmark = pytest.mark.slow
+
 TIGHT_LIMITS = {
     "max_request_head": "4KiB",
     "max_header_fields": 20,

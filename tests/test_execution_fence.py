@@ -34,7 +34,7 @@ from tests.support.keyed import keyed_gateway_config, record_key, send_keyed
 from tests.support.problems import assert_problem
 from tests.support.tcp_proxy import TcpProxy
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 LEASE = "1s"
 # 503 to the key's first attempt, and a Retry-After the owner waits out before its next one.

@@ -22,43 +22,22 @@ from idempotency_gateway.storage.records import RecordKey, Status
 from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.charges import CHARGE, CHARGES, keyed_headers
 from tests.support.gateway import (
-    GatewayLauncher,
     RunningGateway,
-    gateway_config,
+    StartGateway,
     route,
     unreachable_database_url,
 )
 from tests.support.problems import assert_problem as shared_assert_problem
 
-
-class StartGateway(Protocol):
-    def __call__(self, database_url: str, **overrides: Any) -> Awaitable[RunningGateway]: ...
-
-
-# These tests are about the record, so the gateway makes one attempt per request: a retry is
-# always the client's, and every upstream execution is one the record allowed.
+# An upstream the record alone speaks for: one attempt per request, so every execution is one
+# the record allowed.
 SINGLE_ATTEMPT = {"max_attempts": 1}
-
-
-@pytest.fixture
-async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGateway]:
-    """``await start_gateway(database_url, routes=..., **config sections)``; one route ``/``
-    with ``key: required`` unless ``routes`` says otherwise. Stopped before the upstream."""
-    async with GatewayLauncher() as launcher:
-
-        async def start(database_url: str, **overrides: Any) -> RunningGateway:
-            overrides.setdefault("routes", [route("/", key="required")])
-            overrides.setdefault("retry", SINGLE_ATTEMPT)
-            config = gateway_config(upstream.url, **overrides)
-            return await launcher.start(config, database_url=database_url)
-
-        yield start
 
 
 @pytest.fixture
 async def gateway(start_gateway: StartGateway, database_url: str) -> RunningGateway:
     """The default gateway (one key-required route, one attempt) on each store."""
-    return await start_gateway(database_url)
+    return await start_gateway(database_url, keyed=True)
 
 
 async def post_charge(
@@ -207,7 +186,9 @@ async def test_missing_key_on_an_optional_route_is_proxied_unprotected(
     start_gateway: StartGateway, upstream: RecordingUpstream
 ) -> None:
     # No store round trip for an uncovered request: proven by a store that cannot be reached.
-    gateway = await start_gateway(unreachable_database_url(), routes=[route("/", key="optional")])
+    gateway = await start_gateway(
+        unreachable_database_url(), keyed=True, routes=[route("/", key="optional")]
+    )
 
     answers = [await post_charge(gateway, None) for _ in range(2)]
 
@@ -220,7 +201,9 @@ async def test_missing_key_on_an_optional_route_is_proxied_unprotected(
 async def test_route_with_key_off_never_stores_anything(
     start_gateway: StartGateway, upstream: RecordingUpstream, unique: Callable[[str], str]
 ) -> None:
-    gateway = await start_gateway(unreachable_database_url(), routes=[route("/", key="off")])
+    gateway = await start_gateway(
+        unreachable_database_url(), keyed=True, routes=[route("/", key="off")]
+    )
     key = unique("off")
 
     answers = [await post_charge(gateway, key) for _ in range(2)]
@@ -370,6 +353,7 @@ async def test_body_over_the_limit_is_413_before_any_store_access(
     # A store that cannot be reached would answer 503: 413 proves the store was not asked.
     gateway = await start_gateway(
         unreachable_database_url(),
+        keyed=True,
         limits={"max_request_body": "1KiB"},
         store={"connect_timeout": "300ms"},
     )
@@ -391,6 +375,7 @@ async def test_store_unavailable_fails_closed_with_503_and_never_proxies(
 ) -> None:
     gateway = await start_gateway(
         unreachable_database_url(),
+        keyed=True,
         store={"connect_timeout": "300ms"},
         store_unavailable="fail_closed",
     )
@@ -407,6 +392,7 @@ async def test_store_unavailable_with_pass_through_proxies_unprotected(
 ) -> None:
     gateway = await start_gateway(
         unreachable_database_url(),
+        keyed=True,
         store={"connect_timeout": "300ms"},
         store_unavailable="pass_through",
     )
@@ -430,6 +416,7 @@ async def test_unreachable_upstream_is_502_retryable_and_the_key_may_run_again(
 ) -> None:
     gateway = await start_gateway(
         database_url,
+        keyed=True,
         upstreams={"down": {"url": f"http://127.0.0.1:{free_port()}", "retry": SINGLE_ATTEMPT}},
         routes=[route("/", key="required", upstream="down")],
     )
@@ -487,6 +474,7 @@ def fail_ambiguously(
     async def fail(*, on_ambiguous: str, behavior: str) -> AmbiguousFailure:
         gateway = await start_gateway(
             database_url,
+            keyed=True,
             routes=[route("/", key="required", on_ambiguous=on_ambiguous)],
             timeouts={"per_try": "500ms", "total": "5s"},
         )
@@ -604,7 +592,7 @@ async def test_expired_record_executes_again_with_token_1(
     unique: Callable[[str], str],
 ) -> None:
     gateway = await start_gateway(
-        database_url, routes=[route("/", key="required", ttl="1s", lease="1s")]
+        database_url, keyed=True, routes=[route("/", key="required", ttl="1s", lease="1s")]
     )
     key = unique("expiry")
     first = await post_charge(gateway, key)
@@ -704,7 +692,7 @@ async def test_answer_over_the_storage_cap_is_delivered_but_replayed_without_bod
     unique: Callable[[str], str],
 ) -> None:
     gateway = await start_gateway(
-        database_url, routes=[route("/", key="required", max_stored_body="1KiB")]
+        database_url, keyed=True, routes=[route("/", key="required", max_stored_body="1KiB")]
     )
     key = unique("oversized")
 

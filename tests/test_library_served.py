@@ -25,6 +25,8 @@ from tests.support.readme import python_example
 from tests.support.servers import LOOPBACK, free_port
 from tests.support.waiting import eventually
 
+pytestmark = pytest.mark.slow
+
 CHARGE = {"amount": 1250, "currency": "eur"}
 _START_TIMEOUT = 60.0
 
@@ -50,13 +52,12 @@ def _listen_args(server: str, port: int) -> list[str]:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def fresh_database(
-    request: pytest.FixtureRequest, tmp_path: Path, empty_postgres_database: str
-) -> str:
+def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A database nobody migrated: a new SQLite file, or a new PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'idempotency.db'}"
-    return empty_postgres_database
+    url: str = request.getfixturevalue("empty_postgres_database")
+    return url
 
 
 @contextlib.asynccontextmanager

@@ -26,6 +26,8 @@ from tests.support.keyed import is_replay, keyed_gateway_config, record_key, sen
 from tests.support.problems import assert_problem
 from tests.support.upstream import EXECUTION_HEADER
 
+pytestmark = pytest.mark.slow
+
 # The first request outlives its TTL several times over; the heartbeat keeps its lease live.
 TTL = "2s"
 LEASE = "1s"

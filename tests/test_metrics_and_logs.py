@@ -33,11 +33,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from idempotency_gateway.idempotency.keys import key_hash, tenant_of
-from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port, write_config
+from tests.support import GatewayProcess, RecordingUpstream, eventually, free_port
 from tests.support.charges import CHARGE, CHARGES
 from tests.support.gateway import gateway_config, route
 from tests.support.keyed import is_replay, send_keyed
-from tests.support.servers import TEST_SCOPE_SECRET
+from tests.support.servers import TEST_SCOPE_SECRET, StartGatewayProcess
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.upstream import BEHAVIOR_HEADER, KEY_HEADER
 
@@ -110,36 +110,6 @@ async def scrape(client: httpx.AsyncClient, gateway: GatewayProcess) -> str:
     return response.text
 
 
-StartGateway = Callable[..., Awaitable[GatewayProcess]]
-
-
-@pytest.fixture
-async def start_gateway(tmp_path: Path) -> AsyncIterator[StartGateway]:
-    """``await start_gateway(config, env=..., extra_args=...)``: a ``serve`` process, stopped
-    at the end of the test (its log tail is printed when the test fails)."""
-    started: list[GatewayProcess] = []
-
-    async def start(
-        config: dict[str, Any], *, env: dict[str, str], extra_args: Sequence[str] = ()
-    ) -> GatewayProcess:
-        name = f"gateway-{len(started)}"
-        gateway = GatewayProcess(
-            write_config(tmp_path, config, name=f"{name}.yaml"),
-            env=env,
-            extra_args=extra_args,
-            log_dir=tmp_path,
-            name=name,
-        )
-        started.append(gateway)
-        await gateway.start()
-        return gateway
-
-    yield start
-    await asyncio.gather(*(gateway.stop() for gateway in started), return_exceptions=True)
-    for gateway in started:
-        print(f"--- {gateway.name} log tail ---\n{gateway.log_tail()}")
-
-
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     """For absolute URLs. No keep-alive: every request is a new connection, accepted by
@@ -172,14 +142,14 @@ async def worker_pids(gateway: GatewayProcess, count: int) -> list[int]:
 
 
 async def start_two_workers(
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     config: dict[str, Any],
     postgres_url: str,
     metrics_directory: Path,
 ) -> tuple[GatewayProcess, list[int]]:
     """``serve --workers 2`` writing its metric files into ``metrics_directory`` (ours, to see
     which process wrote what); the gateway and its two workers' pids once both started."""
-    gateway = await start_gateway(
+    gateway = await start_gateway_process(
         config,
         env={
             "GATEWAY_DATABASE_URL": postgres_url,
@@ -223,7 +193,7 @@ async def requests_counted(
 async def test_metrics_count_known_traffic_summed_over_two_workers(
     tmp_path: Path,
     upstream: RecordingUpstream,
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
     unique: Callable[[str], str],
@@ -232,7 +202,10 @@ async def test_metrics_count_known_traffic_summed_over_two_workers(
     metrics_directory = tmp_path / "metrics"
     metrics_directory.mkdir()
     gateway, workers = await start_two_workers(
-        start_gateway, charges_config(upstream.url, payments), postgres_url, metrics_directory
+        start_gateway_process,
+        charges_config(upstream.url, payments),
+        postgres_url,
+        metrics_directory,
     )
     worker_a, worker_b = workers
     keys = [unique(f"metrics-{n}") for n in range(7)]
@@ -319,7 +292,7 @@ def families_of(scrape: str) -> dict[str, set[str]]:
 
 async def test_one_worker_and_two_workers_show_the_same_metric_families(
     upstream: RecordingUpstream,
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
     unique: Callable[[str], str],
@@ -327,8 +300,8 @@ async def test_one_worker_and_two_workers_show_the_same_metric_families(
     config = charges_config(upstream.url, unique_upstream())
     env = {"GATEWAY_DATABASE_URL": postgres_url}
     one, two = await asyncio.gather(
-        start_gateway(config, env=env),
-        start_gateway(config, env=env, extra_args=["--workers", "2"]),
+        start_gateway_process(config, env=env),
+        start_gateway_process(config, env=env, extra_args=["--workers", "2"]),
     )
     await worker_pids(two, 2)
     before = {gateway.port: families_of(await scrape(client, gateway)) for gateway in (one, two)}
@@ -353,14 +326,14 @@ async def test_one_worker_and_two_workers_show_the_same_metric_families(
 
 
 async def test_a_request_the_upstream_never_saw_is_counted_not_executed(
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
     unique: Callable[[str], str],
 ) -> None:
     # Nobody listens on the upstream's port: every connection is refused, nothing is sent.
     refused = f"http://127.0.0.1:{free_port()}"
-    gateway = await start_gateway(
+    gateway = await start_gateway_process(
         charges_config(refused, unique_upstream()), env={"GATEWAY_DATABASE_URL": postgres_url}
     )
     keyed = await charge(client, gateway, unique("refused"))
@@ -392,12 +365,12 @@ async def test_a_request_the_upstream_never_saw_is_counted_not_executed(
 
 async def test_metric_labels_never_hold_paths_keys_or_credentials(
     upstream: RecordingUpstream,
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
 ) -> None:
     payments = unique_upstream()
-    gateway = await start_gateway(
+    gateway = await start_gateway_process(
         charges_config(upstream.url, payments),
         env={"GATEWAY_DATABASE_URL": postgres_url},
     )
@@ -454,7 +427,7 @@ def pids_in(scrape_text: str, name: str) -> set[int]:
 async def test_a_dead_workers_gauges_go_with_it_and_every_live_worker_reports_itself(
     tmp_path: Path,
     upstream: RecordingUpstream,
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
 ) -> None:
@@ -467,7 +440,7 @@ async def test_a_dead_workers_gauges_go_with_it_and_every_live_worker_reports_it
     config = charges_config(upstream.url, payments)
     config["upstreams"][payments]["breaker"] = {"min_calls": 2, "open_for": "300s"}
     gateway, workers = await start_two_workers(
-        start_gateway, config, postgres_url, metrics_directory
+        start_gateway_process, config, postgres_url, metrics_directory
     )
     worker_a, worker_b = workers
     failing = {BEHAVIOR_HEADER: "status=500"}
@@ -548,7 +521,7 @@ SendLoggedTraffic = Callable[[str], Awaitable[LoggedTraffic]]
 @pytest.fixture
 def send_logged_traffic(
     upstream: RecordingUpstream,
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
     secret: str,
@@ -559,7 +532,7 @@ def send_logged_traffic(
 
     async def send(log_format: str) -> LoggedTraffic:
         upstream_name = unique_upstream()
-        gateway = await start_gateway(
+        gateway = await start_gateway_process(
             charges_config(upstream.url, upstream_name),
             env={"GATEWAY_DATABASE_URL": postgres_url},
             extra_args=["--log-format", log_format],
@@ -670,7 +643,7 @@ def json_lines(gateway: GatewayProcess) -> list[dict[str, Any]]:
 
 async def test_retry_startup_and_admin_lines_say_who_what_and_where(
     upstream: RecordingUpstream,
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
 ) -> None:
@@ -682,7 +655,7 @@ async def test_retry_startup_and_admin_lines_say_who_what_and_where(
     # PostgreSQL trusts loopback here, so the password is ignored but must stay unlogged.
     database_url = postgres_url.replace("postgres@", f"postgres:{password}@")
     assert password in database_url
-    gateway = await start_gateway(
+    gateway = await start_gateway_process(
         charges_config(upstream.url, payments),
         env={"GATEWAY_DATABASE_URL": database_url, "GATEWAY_ADMIN_TOKEN": "signals-admin-token"},
         extra_args=["--log-format", "json"],
@@ -732,13 +705,13 @@ async def readiness(client: httpx.AsyncClient, gateway: GatewayProcess) -> tuple
 
 async def test_readiness_follows_postgresql_down_and_up(
     upstream: RecordingUpstream,
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
     unique: Callable[[str], str],
 ) -> None:
     async with TcpProxy("127.0.0.1", 5432) as database:
-        gateway = await start_gateway(
+        gateway = await start_gateway_process(
             charges_config(upstream.url, unique_upstream()),
             env={"GATEWAY_DATABASE_URL": database.rewrite_url(postgres_url)},
         )
@@ -772,12 +745,12 @@ async def test_readiness_follows_postgresql_down_and_up(
 
 async def test_unreachable_redis_degrades_readiness_without_failing_it(
     upstream: RecordingUpstream,
-    start_gateway: StartGateway,
+    start_gateway_process: StartGatewayProcess,
     client: httpx.AsyncClient,
     postgres_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(
+    gateway = await start_gateway_process(
         charges_config(upstream.url, unique_upstream()),
         env={
             "GATEWAY_DATABASE_URL": postgres_url,

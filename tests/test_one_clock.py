@@ -41,6 +41,8 @@ from tests.support.clock import skewed_clock_env
 from tests.support.gateway import route
 from tests.support.keyed import is_replay, keyed_gateway_config, record_key, send_keyed
 
+pytestmark = pytest.mark.slow
+
 SKEW = timedelta(minutes=2)
 LEASE = 3.0
 # Margin for statements and scheduling on a loaded machine; far below the skew.

@@ -30,6 +30,8 @@ from tests.support import GatewayProcess, RecordingUpstream, free_port, write_co
 from tests.support.servers import PROJECT_ROOT
 from tests.support.waiting import eventually
 
+pytestmark = pytest.mark.slow
+
 INSTALL_TIMEOUT = 600
 COMMAND_TIMEOUT = 120
 CHARGE = {"amount": 1000}

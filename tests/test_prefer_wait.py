@@ -12,9 +12,8 @@ connection.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -24,7 +23,7 @@ from idempotency_gateway.asgi import Headers
 from idempotency_gateway.idempotency.prefer import requested_wait
 from idempotency_gateway.replay.wakeups import LocalWakeups, channel_for
 from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
-from tests.support.gateway import GatewayLauncher, RunningGateway, route
+from tests.support.gateway import RunningGateway, StartGateway, route
 from tests.support.keyed import (
     PREFERENCE_APPLIED,
     is_replay,
@@ -71,26 +70,10 @@ def test_requested_wait_reads_prefer_wait_seconds(fields: list[bytes], seconds: 
 # ------------------------------------------------------------------ one gateway process
 
 
-class StartGateway(Protocol):
-    async def __call__(self, database_url: str, **overrides: Any) -> RunningGateway: ...
-
-
-@pytest.fixture
-async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGateway]:
-    """``await start_gateway(database_url, **config sections)``: in-process wake-ups."""
-    async with GatewayLauncher() as launcher:
-
-        async def start(database_url: str, **overrides: Any) -> RunningGateway:
-            config = keyed_gateway_config(upstream.url, **overrides)
-            return await launcher.start(config, database_url=database_url)
-
-        yield start
-
-
 @pytest.fixture
 async def gateway(start_gateway: StartGateway, database_url: str) -> RunningGateway:
     """The default gateway (one key-required route) on each store."""
-    return await start_gateway(database_url)
+    return await start_gateway(database_url, keyed=True)
 
 
 def parked_waiters(gateway: RunningGateway) -> int:
@@ -165,7 +148,7 @@ async def test_waiter_gets_409_when_the_owner_outlasts_its_wait(
     prefer: str,
 ) -> None:
     gateway = await start_gateway(
-        database_url, routes=[route("/", key="required", wait_max=wait_max)]
+        database_url, keyed=True, routes=[route("/", key="required", wait_max=wait_max)]
     )
     key = unique("gives-up")
     owner = await owner_held_at_gate(gateway, upstream, key, "slow-owner")
@@ -208,7 +191,7 @@ async def test_parked_waiters_hold_no_database_connection(
     unique: Callable[[str], str],
 ) -> None:
     """One pooled connection: a new key goes through while ten waiters are parked."""
-    gateway = await start_gateway(postgres_url, store={"pool_size": 1})
+    gateway = await start_gateway(postgres_url, keyed=True, store={"pool_size": 1})
     key, new_key = unique("parked"), unique("parked-new")
     owner = await owner_held_at_gate(gateway, upstream, key, "one-connection")
     waiters = await park_waiters(gateway, key, 10, prefer="wait=10")

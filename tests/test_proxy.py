@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +18,13 @@ import pytest
 from tests.support import RecordingUpstream
 from tests.support.edge import exchange, parse_reply
 from tests.support.edge import request as edge_request
-from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
+from tests.support.gateway import (
+    GatewayLauncher,
+    RunningGateway,
+    StartGateway,
+    gateway_config,
+    route,
+)
 from tests.support.problems import assert_problem
 from tests.support.raw_upstream import RawUpstream, Received
 from tests.support.upstream import Execution
@@ -28,27 +33,9 @@ GENERATED_REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
 VIA = "1.1 idempotency-gateway"
 
 
-class StartGateway(Protocol):
-    async def __call__(self, **overrides: Any) -> RunningGateway: ...
-
-
 @pytest.fixture
-async def start_gateway(
-    upstream: RecordingUpstream, postgres_url: str
-) -> AsyncIterator[StartGateway]:
-    """``await start_gateway(**config overrides)``: one route ``/`` to ``upstream`` by default."""
-    async with GatewayLauncher() as launcher:
-
-        async def start(**overrides: Any) -> RunningGateway:
-            config = gateway_config(upstream.url, **overrides)
-            return await launcher.start(config, database_url=postgres_url)
-
-        yield start
-
-
-@pytest.fixture
-async def gateway(start_gateway: StartGateway) -> RunningGateway:
-    return await start_gateway()
+async def gateway(start_gateway: StartGateway, postgres_url: str) -> RunningGateway:
+    return await start_gateway(postgres_url)
 
 
 async def echo(gateway: RunningGateway, upstream: RecordingUpstream, **request: Any) -> Execution:
@@ -135,9 +122,9 @@ async def test_forwarded_fields_from_an_untrusted_client_are_replaced(
 
 
 async def test_forwarded_fields_from_a_trusted_proxy_are_extended(
-    start_gateway: StartGateway, upstream: RecordingUpstream
+    start_gateway: StartGateway, postgres_url: str, upstream: RecordingUpstream
 ) -> None:
-    gateway = await start_gateway(trusted_proxies=["127.0.0.1/32"])
+    gateway = await start_gateway(postgres_url, trusted_proxies=["127.0.0.1/32"])
 
     received = await echo(
         gateway,
@@ -205,11 +192,12 @@ async def test_malicious_request_id_is_replaced(
 )
 async def test_remaining_budget_is_forwarded_as_request_timeout(
     start_gateway: StartGateway,
+    postgres_url: str,
     upstream: RecordingUpstream,
     client_asks: str | None,
     at_most: float,
 ) -> None:
-    gateway = await start_gateway(timeouts={"per_try": "10s", "total": "30s"})
+    gateway = await start_gateway(postgres_url, timeouts={"per_try": "10s", "total": "30s"})
     headers = {"X-Request-Timeout": client_asks} if client_asks else {}
 
     received = await echo(gateway, upstream, headers=headers)
@@ -221,9 +209,9 @@ async def test_remaining_budget_is_forwarded_as_request_timeout(
 
 
 async def test_path_without_a_route_is_404_problem(
-    start_gateway: StartGateway, upstream: RecordingUpstream
+    start_gateway: StartGateway, postgres_url: str, upstream: RecordingUpstream
 ) -> None:
-    gateway = await start_gateway(routes=[route("/v1")])
+    gateway = await start_gateway(postgres_url, routes=[route("/v1")])
 
     response = await gateway.client.get("/v2/things")
 
@@ -235,10 +223,11 @@ async def test_path_without_a_route_is_404_problem(
 
 
 async def test_longest_prefix_wins_on_whole_segments(
-    start_gateway: StartGateway, upstream: RecordingUpstream
+    start_gateway: StartGateway, postgres_url: str, upstream: RecordingUpstream
 ) -> None:
     async with RecordingUpstream() as charges_upstream:
         gateway = await start_gateway(
+            postgres_url,
             upstreams={"charges": {"url": charges_upstream.url}},
             routes=[route("/v1"), route("/v1/charges", upstream="charges")],
         )
@@ -299,9 +288,9 @@ async def test_put_whose_connection_resets_is_sent_exactly_once(
     ],
 )
 async def test_header_values_reach_the_upstream_byte_for_byte(
-    start_gateway: StartGateway, upstream: RecordingUpstream, value: bytes
+    start_gateway: StartGateway, postgres_url: str, upstream: RecordingUpstream, value: bytes
 ) -> None:
-    gateway = await start_gateway()
+    gateway = await start_gateway(postgres_url)
 
     response = await gateway.client.get(
         "/echo", headers=[(b"X-Customer-Name", value), (b"X-Test-Behavior", b"echo-headers")]

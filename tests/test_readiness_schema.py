@@ -24,6 +24,8 @@ from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, RecordingUpstream, write_config
 from tests.support.keyed import keyed_gateway_config, send_keyed
 
+pytestmark = pytest.mark.slow
+
 
 async def test_readyz_is_503_until_the_schema_is_at_the_head(
     tmp_path: Path, empty_postgres_database: str, upstream: RecordingUpstream

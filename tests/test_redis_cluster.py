@@ -54,7 +54,7 @@ def keys(unique: Callable[[str], str]) -> list[RecordKey]:
     return [RecordKey("scope", "POST /v1/charges", unique(f"cluster-{i}")) for i in range(KEYS)]
 
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 
 async def test_entries_on_every_node_are_stored_and_replayed(

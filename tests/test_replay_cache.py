@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import orjson
@@ -43,12 +43,12 @@ from tests.support import RecordingUpstream, eventually, free_port
 from tests.support.charges import CHARGE
 from tests.support.clock import ManualClock
 from tests.support.gateway import (
-    GatewayLauncher,
     RunningGateway,
+    StartGateway,
     route,
     unreachable_database_url,
 )
-from tests.support.keyed import is_replay, keyed_gateway_config, record_key, send_keyed
+from tests.support.keyed import is_replay, record_key, send_keyed
 
 BINARY_BODY = b'{"id": "ch_1"}\n\x00\x01 line two\r\n\x00\xff\xfe trailing\n'
 ONE_HOUR = 3600.0
@@ -272,32 +272,12 @@ async def test_redis_cache_reads_a_bad_entry_as_a_miss(
 # ------------------------------------------------------------------ through the gateway
 
 
-class StartGateway(Protocol):
-    async def __call__(
-        self, database_url: str, *, redis_url: str | None = None, **overrides: Any
-    ) -> RunningGateway: ...
-
-
-@pytest.fixture
-async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGateway]:
-    """``await start_gateway(database_url, redis_url=..., **config sections)``."""
-    async with GatewayLauncher() as launcher:
-
-        async def start(
-            database_url: str, *, redis_url: str | None = None, **overrides: Any
-        ) -> RunningGateway:
-            config = keyed_gateway_config(upstream.url, **overrides)
-            return await launcher.start(config, database_url=database_url, redis_url=redis_url)
-
-        yield start
-
-
 @pytest.fixture
 async def cached_gateway(
     start_gateway: StartGateway, postgres_url: str, redis_url: str
 ) -> RunningGateway:
     """The production shape: PostgreSQL decides, the test Redis caches."""
-    return await start_gateway(postgres_url, redis_url=redis_url)
+    return await start_gateway(postgres_url, keyed=True, redis_url=redis_url)
 
 
 def entry_name(key: str) -> str:
@@ -334,6 +314,7 @@ async def test_finished_answer_is_cached_no_longer_than_its_record_lives(
 ) -> None:
     gateway = await start_gateway(
         postgres_url,
+        keyed=True,
         redis_url=redis_url,
         routes=[route("/", key="required", ttl="30s", lease="5s")],
     )
@@ -445,7 +426,10 @@ async def start_gateway_without_postgres(
 ) -> RunningGateway:
     """A gateway sharing the test Redis whose PostgreSQL refuses every connection."""
     return await start_gateway(
-        unreachable_database_url(), redis_url=redis_url, store={"connect_timeout": "300ms"}
+        unreachable_database_url(),
+        keyed=True,
+        redis_url=redis_url,
+        store={"connect_timeout": "300ms"},
     )
 
 
@@ -507,7 +491,10 @@ async def test_gateway_with_redis_down_answers_from_postgres_and_stops_asking_re
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     gateway = await start_gateway(
-        postgres_url, redis_url=f"redis://127.0.0.1:{free_port()}/0", cache={"timeout": "50ms"}
+        postgres_url,
+        keyed=True,
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        cache={"timeout": "50ms"},
     )
     cache = gateway.app.cache
     assert isinstance(cache, RedisCache)
@@ -589,7 +576,9 @@ async def test_redis_killed_under_duplicate_load_costs_no_answer_and_no_second_e
     own_redis: RedisServer,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(postgres_url, redis_url=own_redis.url, cache={"timeout": "250ms"})
+    gateway = await start_gateway(
+        postgres_url, keyed=True, redis_url=own_redis.url, cache={"timeout": "250ms"}
+    )
     cache = gateway.app.cache
     assert isinstance(cache, RedisCache)
     finished = [unique(f"finished-{index}") for index in range(3)]

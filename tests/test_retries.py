@@ -40,9 +40,8 @@ from tests.support.charges import CHARGES, keyed_headers
 from tests.support.clock import ManualClock, state_of
 from tests.support.gateway import (
     PRIMARY,
-    GatewayLauncher,
     RunningGateway,
-    gateway_config,
+    StartGateway,
     route,
 )
 from tests.support.problems import assert_problem
@@ -325,49 +324,6 @@ async def test_half_open_breaker_lets_only_half_open_calls_concurrent_probes_thr
 # --------------------------------------------------------------- through the real gateway
 
 
-class StartGateway(Protocol):
-    def __call__(
-        self,
-        *,
-        database_url: str,
-        upstream_url: str | None = None,
-        retry: dict[str, Any] | None = None,
-        breaker: dict[str, Any] | None = None,
-        timeouts: dict[str, str] | None = None,
-        **idempotency: Any,
-    ) -> Awaitable[RunningGateway]: ...
-
-
-@pytest.fixture
-async def start_gateway(upstream: RecordingUpstream) -> AsyncIterator[StartGateway]:
-    """One route ``/`` to upstream ``primary`` (the recording upstream unless ``upstream_url``
-    says otherwise) with millisecond backoff; keyword arguments are the route's idempotency
-    settings (key ``optional`` by default). Gateways stop before the upstream does."""
-    async with GatewayLauncher() as launcher:
-
-        async def start(
-            *,
-            database_url: str,
-            upstream_url: str | None = None,
-            retry: dict[str, Any] | None = None,
-            breaker: dict[str, Any] | None = None,
-            timeouts: dict[str, str] | None = None,
-            **idempotency: Any,
-        ) -> RunningGateway:
-            url = upstream_url or upstream.url
-            primary: dict[str, Any] = {"url": url, "retry": {**FAST_RETRY, **(retry or {})}}
-            if breaker is not None:
-                primary["breaker"] = breaker
-            if timeouts is not None:
-                primary["timeouts"] = timeouts
-            config = gateway_config(
-                url, upstreams={PRIMARY: primary}, routes=[route("/", **idempotency)]
-            )
-            return await launcher.start(config, database_url=database_url)
-
-        yield start
-
-
 def send(
     gateway: RunningGateway,
     method: str = "POST",
@@ -398,7 +354,7 @@ async def test_503_twice_then_success_is_one_answer_from_three_attempts(
     unique: Callable[[str], str],
     retry_log: Callable[[], list[str]],
 ) -> None:
-    gateway = await start_gateway(database_url=postgres_url, retry={"max_attempts": 3})
+    gateway = await start_gateway(postgres_url, retry={**FAST_RETRY, "max_attempts": 3})
     key = unique("503-then-201")
 
     response = await send(gateway, key=key, behavior="status-first=503,times=2")
@@ -454,7 +410,7 @@ async def test_upstream_attempts_for_a_failure_that_never_ends(
     attempts: int,
     reason: str | None,
 ) -> None:
-    gateway = await start_gateway(database_url=postgres_url, retry={"max_attempts": 3})
+    gateway = await start_gateway(postgres_url, retry={**FAST_RETRY, "max_attempts": 3})
     key = unique("always-failing") if keyed else None
 
     response = await send(gateway, method, key=key, behavior=f"status={status}")
@@ -475,7 +431,7 @@ async def test_keyed_post_that_ran_out_of_attempts_is_failed_retryable_and_runs_
     database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url=database_url, retry={"max_attempts": 3})
+    gateway = await start_gateway(database_url, retry={**FAST_RETRY, "max_attempts": 3})
     key = unique("exhausted")
 
     first = await send(gateway, key=key, behavior="status=503")
@@ -499,9 +455,9 @@ async def test_unkeyed_post_to_a_refused_port_is_retried_because_it_never_left(
     start_gateway: StartGateway, postgres_url: str, retry_log: Callable[[], list[str]]
 ) -> None:
     gateway = await start_gateway(
-        database_url=postgres_url,
+        postgres_url,
         upstream_url=f"http://127.0.0.1:{free_port()}",
-        retry={"max_attempts": 3},
+        retry={**FAST_RETRY, "max_attempts": 3},
     )
 
     response = await send(gateway)
@@ -528,7 +484,7 @@ async def test_429_whose_retry_after_passes_the_deadline_is_answered_at_once(
     unique: Callable[[str], str],
     retry_log: Callable[[], list[str]],
 ) -> None:
-    gateway = await start_gateway(database_url=database_url, timeouts=HALF_SECOND_BUDGET)
+    gateway = await start_gateway(database_url, timeouts=HALF_SECOND_BUDGET, retry=FAST_RETRY)
     key = unique("429-late")
 
     response = await send(gateway, key=key, behavior="status=429,retry-after=1")
@@ -547,7 +503,7 @@ async def test_429_with_retry_after_0_is_retried_at_once(
     unique: Callable[[str], str],
     retry_log: Callable[[], list[str]],
 ) -> None:
-    gateway = await start_gateway(database_url=postgres_url, timeouts=HALF_SECOND_BUDGET)
+    gateway = await start_gateway(postgres_url, timeouts=HALF_SECOND_BUDGET, retry=FAST_RETRY)
     key = unique("429-now")
 
     response = await send(gateway, key=key, behavior="status-first=429,retry-after=0")
@@ -587,10 +543,10 @@ async def test_ambiguous_failure_is_retried_only_under_on_ambiguous_retry(
     reason: str,
 ) -> None:
     gateway = await start_gateway(
-        database_url=database_url,
-        retry={"max_attempts": 3},
+        database_url,
+        retry={**FAST_RETRY, "max_attempts": 3},
         timeouts={"per_try": "300ms", "total": "2s"},
-        on_ambiguous=on_ambiguous,
+        routes=[route("/", on_ambiguous=on_ambiguous)],
     )
     key = unique(f"ambiguous-{behavior}-{on_ambiguous}")
 
@@ -615,9 +571,10 @@ async def test_client_x_request_timeout_shortens_the_deadline_of_every_attempt(
     # The route would retry a timeout, and each try could wait 10s: only the client's 0.4s
     # budget ends this request.
     gateway = await start_gateway(
-        database_url=postgres_url,
+        postgres_url,
         timeouts={"per_try": "10s", "total": "10s"},
-        on_ambiguous="retry",
+        routes=[route("/", on_ambiguous="retry")],
+        retry=FAST_RETRY,
     )
     key = unique("client-timeout")
 
@@ -638,7 +595,7 @@ async def test_client_timeout_too_short_for_any_attempt_is_504_and_leaves_the_ke
     database_url: str,
     unique: Callable[[str], str],
 ) -> None:
-    gateway = await start_gateway(database_url=database_url)
+    gateway = await start_gateway(database_url, retry=FAST_RETRY)
     key = unique("no-time")
 
     response = await send(gateway, key=key, headers={"X-Request-Timeout": "0.001"})
@@ -660,8 +617,8 @@ async def test_retry_budget_stops_a_retry_storm(
 ) -> None:
     requests = 200
     gateway = await start_gateway(
-        database_url=postgres_url,
-        retry={"max_attempts": 3, "budget": {"ratio": 0.1, "min_per_second": 0}},
+        postgres_url,
+        retry={**FAST_RETRY, "max_attempts": 3, "budget": {"ratio": 0.1, "min_per_second": 0}},
         # Only the budget may stop these retries: the breaker would reject requests instead.
         breaker={"failure_on": []},
     )
@@ -688,8 +645,9 @@ async def test_breaker_opens_after_failures_and_then_spares_the_upstream(
     unique: Callable[[str], str],
 ) -> None:
     gateway = await start_gateway(
-        database_url=database_url,
+        database_url,
         breaker={"min_calls": 5, "failure_rate": 0.5, "open_for": "30s"},
+        retry=FAST_RETRY,
     )
     breaker = gateway.app.upstreams[PRIMARY].breaker
     for _ in range(5):

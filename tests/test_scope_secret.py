@@ -35,6 +35,8 @@ from tests.support.problems import assert_problem
 from tests.support.servers import PROJECT_ROOT
 from tests.support.upstream import KEY_HEADER
 
+pytestmark = pytest.mark.slow
+
 CREATORS = 8
 
 

@@ -46,6 +46,8 @@ from tests.support.pgbouncer import PgBouncer
 from tests.support.problems import problem_slug
 from tests.support.tcp_proxy import TcpProxy
 
+pytestmark = pytest.mark.slow
+
 # Long enough that no lease runs out and no renewal is due while a test holds a fault open.
 LONG_LEASE = "30s"
 # The outage the finalize must outlast: longer than the old retry budget (about 0.6 s).

@@ -46,6 +46,8 @@ from tests.support.servers import PROJECT_ROOT
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.upstream import EXECUTION_HEADER
 
+pytestmark = pytest.mark.slow
+
 # Long before any other test's records: on this clock, only this module's rows ever expire.
 LONG_AGO = datetime(2001, 1, 1, tzinfo=UTC)
 LONG_AGO_ENDS = datetime(2002, 1, 1, tzinfo=UTC)

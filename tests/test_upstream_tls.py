@@ -15,7 +15,6 @@ import socket
 import ssl
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,11 @@ import trustme
 from cryptography.hazmat.primitives import serialization
 
 from idempotency_gateway.cli import main
-from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
+from tests.support.gateway import (
+    RunningGateway,
+    StartGateway,
+    gateway_config,
+)
 from tests.support.problems import problem_slug
 from tests.support.raw_upstream import RawUpstream, Received
 
@@ -67,28 +70,6 @@ def recorded_sni(context: ssl.SSLContext) -> list[str | None]:
     return names
 
 
-StartGateway = Callable[..., Awaitable[RunningGateway]]
-
-
-@pytest.fixture
-async def start_gateway(postgres_url: str) -> AsyncIterator[StartGateway]:
-    """``await start_gateway(upstream, **tls)``: one key-required route to ``upstream``."""
-    async with GatewayLauncher() as launcher:
-
-        async def start(upstream: RawUpstream | RefusingTlsUpstream, **tls: Any) -> RunningGateway:
-            config = gateway_config(
-                upstream.url,
-                routes=[route("/", key="required")],
-                # One attempt per request: each refusal seen is one request of the test's.
-                upstreams={
-                    "primary": {"url": upstream.url, "tls": tls, "retry": {"max_attempts": 1}}
-                },
-            )
-            return await launcher.start(config, database_url=postgres_url)
-
-        yield start
-
-
 async def post(gateway: RunningGateway, key: str) -> httpx.Response:
     return await gateway.client.post(
         "/v1/charges", content=b'{"amount":1}', headers={"Idempotency-Key": key}
@@ -107,12 +88,14 @@ def assert_nothing_sent(
 
 
 async def test_a_certificate_signed_by_the_bundle_is_trusted(
-    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway
+    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway, postgres_url: str
 ) -> None:
     context = server_context(ca.issue_cert("127.0.0.1"))
     names = recorded_sni(context)
     async with RawUpstream(answer, tls=context) as upstream:
-        gateway = await start_gateway(upstream, ca_bundle=str(ca_bundle))
+        gateway = await start_gateway(
+            postgres_url, upstream_url=upstream.url, keyed=True, tls={"ca_bundle": str(ca_bundle)}
+        )
         key = str(uuid.uuid4())
         first, again = await post(gateway, key), await post(gateway, key)
 
@@ -123,21 +106,23 @@ async def test_a_certificate_signed_by_the_bundle_is_trusted(
 
 
 async def test_without_the_bundle_a_private_ca_is_not_trusted(
-    ca: trustme.CA, start_gateway: StartGateway
+    ca: trustme.CA, start_gateway: StartGateway, postgres_url: str
 ) -> None:
     async with RawUpstream(answer, tls=server_context(ca.issue_cert("127.0.0.1"))) as upstream:
-        gateway = await start_gateway(upstream)
+        gateway = await start_gateway(postgres_url, upstream_url=upstream.url, keyed=True)
         response = await post(gateway, str(uuid.uuid4()))
 
     assert_nothing_sent(response, upstream, "unable to get local issuer certificate")
 
 
 async def test_an_expired_certificate_is_refused_and_the_key_runs_again_once_fixed(
-    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway
+    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway, postgres_url: str
 ) -> None:
     context = server_context(ca.issue_cert("127.0.0.1", not_after=IN_THE_PAST))
     async with RawUpstream(answer, tls=context) as upstream:
-        gateway = await start_gateway(upstream, ca_bundle=str(ca_bundle))
+        gateway = await start_gateway(
+            postgres_url, upstream_url=upstream.url, keyed=True, tls={"ca_bundle": str(ca_bundle)}
+        )
         key = str(uuid.uuid4())
         refused = await post(gateway, key)
         assert_nothing_sent(refused, upstream, "certificate has expired")
@@ -151,24 +136,29 @@ async def test_an_expired_certificate_is_refused_and_the_key_runs_again_once_fix
 
 
 async def test_a_certificate_for_another_host_is_refused(
-    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway
+    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway, postgres_url: str
 ) -> None:
     context = server_context(ca.issue_cert("payments.internal"))
     async with RawUpstream(answer, tls=context) as upstream:
-        gateway = await start_gateway(upstream, ca_bundle=str(ca_bundle))
+        gateway = await start_gateway(
+            postgres_url, upstream_url=upstream.url, keyed=True, tls={"ca_bundle": str(ca_bundle)}
+        )
         response = await post(gateway, str(uuid.uuid4()))
 
     assert_nothing_sent(response, upstream, "mismatch, certificate is not valid for '127.0.0.1'")
 
 
 async def test_server_name_is_sent_in_sni_and_verified_instead_of_the_url_host(
-    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway
+    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway, postgres_url: str
 ) -> None:
     context = server_context(ca.issue_cert("payments.internal"))
     names = recorded_sni(context)
     async with RawUpstream(answer, tls=context) as upstream:
         gateway = await start_gateway(
-            upstream, ca_bundle=str(ca_bundle), server_name="payments.internal"
+            postgres_url,
+            upstream_url=upstream.url,
+            keyed=True,
+            tls={"ca_bundle": str(ca_bundle), "server_name": "payments.internal"},
         )
         response = await post(gateway, str(uuid.uuid4()))
 
@@ -177,16 +167,26 @@ async def test_server_name_is_sent_in_sni_and_verified_instead_of_the_url_host(
 
 
 async def test_verify_hostname_off_still_verifies_the_chain(
-    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway
+    ca: trustme.CA, ca_bundle: Path, start_gateway: StartGateway, postgres_url: str
 ) -> None:
     async with RawUpstream(answer, tls=server_context(ca.issue_cert("elsewhere"))) as upstream:
-        gateway = await start_gateway(upstream, ca_bundle=str(ca_bundle), verify_hostname=False)
+        gateway = await start_gateway(
+            postgres_url,
+            upstream_url=upstream.url,
+            keyed=True,
+            tls={"ca_bundle": str(ca_bundle), "verify_hostname": False},
+        )
         accepted = await post(gateway, str(uuid.uuid4()))
     assert accepted.status_code == 201
 
     stranger = trustme.CA().issue_cert("127.0.0.1")
     async with RawUpstream(answer, tls=server_context(stranger)) as upstream:
-        gateway = await start_gateway(upstream, ca_bundle=str(ca_bundle), verify_hostname=False)
+        gateway = await start_gateway(
+            postgres_url,
+            upstream_url=upstream.url,
+            keyed=True,
+            tls={"ca_bundle": str(ca_bundle), "verify_hostname": False},
+        )
         refused = await post(gateway, str(uuid.uuid4()))
     assert_nothing_sent(refused, upstream, "unable to get local issuer certificate")
 
@@ -201,6 +201,7 @@ async def test_mtls_with_the_client_certificate_is_served(
     ca_bundle: Path,
     client_ca: trustme.CA,
     start_gateway: StartGateway,
+    postgres_url: str,
     tmp_path: Path,
 ) -> None:
     identity = client_ca.issue_cert("gateway@payments")
@@ -210,7 +211,14 @@ async def test_mtls_with_the_client_certificate_is_served(
     context = server_context(ca.issue_cert("127.0.0.1"), client_ca=client_ca)
     async with RawUpstream(answer, tls=context) as upstream:
         gateway = await start_gateway(
-            upstream, ca_bundle=str(ca_bundle), client_cert=str(cert), client_key=str(key_file)
+            postgres_url,
+            upstream_url=upstream.url,
+            keyed=True,
+            tls={
+                "ca_bundle": str(ca_bundle),
+                "client_cert": str(cert),
+                "client_key": str(key_file),
+            },
         )
         response = await post(gateway, str(uuid.uuid4()))
 
@@ -278,6 +286,7 @@ async def test_mtls_without_an_accepted_certificate_sends_nothing(
     ca_bundle: Path,
     client_ca: trustme.CA,
     start_gateway: StartGateway,
+    postgres_url: str,
     tmp_path: Path,
     identity: str,
 ) -> None:
@@ -290,7 +299,7 @@ async def test_mtls_without_an_accepted_certificate_sends_nothing(
         tls["client_cert"] = str(combined)
     context = server_context(ca.issue_cert("127.0.0.1"), client_ca=client_ca)
     with RefusingTlsUpstream(context) as upstream:
-        gateway = await start_gateway(upstream, **tls)
+        gateway = await start_gateway(postgres_url, upstream_url=upstream.url, keyed=True, tls=tls)
         key = str(uuid.uuid4())
         first = await post(gateway, key)
         again = await post(gateway, key)

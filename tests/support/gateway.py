@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import httpx
 from pydantic import SecretStr
@@ -66,20 +66,20 @@ def gateway_config(
     routes: list[dict[str, Any]] | None = None,
     timeouts: Mapping[str, Any] | None = None,
     retry: Mapping[str, Any] | None = None,
+    breaker: Mapping[str, Any] | None = None,
+    tls: Mapping[str, Any] | None = None,
     upstreams: Mapping[str, Mapping[str, Any]] | None = None,
     **settings: Any,
 ) -> GatewayConfig:
     """A validated config: upstream ``primary`` at ``upstream_url``, by default one route ``/``.
 
-    ``timeouts`` and ``retry`` are the ``primary`` upstream's sections; ``upstreams`` adds (or
-    replaces) upstream entries; ``settings`` are top-level sections such as ``limits``,
-    ``store``, ``store_unavailable`` or ``trusted_proxies``.
+    ``timeouts``, ``retry``, ``breaker`` and ``tls`` are the ``primary`` upstream's sections;
+    ``upstreams`` adds (or replaces) upstream entries; ``settings`` are top-level sections such
+    as ``limits``, ``store``, ``store_unavailable`` or ``trusted_proxies``.
     """
     primary: dict[str, Any] = {"url": upstream_url}
-    if timeouts:
-        primary["timeouts"] = dict(timeouts)
-    if retry:
-        primary["retry"] = dict(retry)
+    sections = {"timeouts": timeouts, "retry": retry, "breaker": breaker, "tls": tls}
+    primary.update({name: dict(section) for name, section in sections.items() if section})
     data: dict[str, Any] = {
         "upstreams": {PRIMARY: primary, **(upstreams or {})},
         "routes": routes or [route("/")],
@@ -131,6 +131,26 @@ async def running_gateway(
         httpx.AsyncClient(base_url=url, timeout=10.0, trust_env=False) as client,
     ):
         yield RunningGateway(url, gateway, client)
+
+
+class StartGateway(Protocol):
+    """The ``start_gateway`` fixture (tests/conftest.py): an in-process gateway for one test.
+
+    ``upstream_url`` defaults to the test's recording upstream; ``redis_url`` turns on the
+    Redis replay cache and wake-ups; ``keyed`` gives one key-required route ``/`` and a single
+    upstream attempt unless ``routes`` or ``retry`` say otherwise; ``sections`` go to
+    ``gateway_config``. Every gateway stops before the upstream does.
+    """
+
+    async def __call__(
+        self,
+        database_url: str,
+        *,
+        upstream_url: str | None = None,
+        redis_url: str | None = None,
+        keyed: bool = False,
+        **sections: Any,
+    ) -> RunningGateway: ...
 
 
 class GatewayLauncher:

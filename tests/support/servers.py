@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, Protocol
 
 import uvicorn
 import yaml
@@ -343,3 +343,13 @@ class GatewayProcess(StartedInContext):
     async def close(self) -> None:
         """Leaving ``async with``: a graceful ``stop()`` (SIGTERM, then SIGKILL if it hangs)."""
         await self.stop()
+
+
+class StartGatewayProcess(Protocol):
+    """The ``start_gateway_process`` fixture (tests/conftest.py): ``serve`` on ``config`` (the
+    dict a YAML file would hold) with ``env`` and ``extra_args``; stopped when the test ends,
+    its log tail printed (pytest shows it when the test fails)."""
+
+    async def __call__(
+        self, config: dict[str, Any], *, env: dict[str, str], extra_args: Sequence[str] = ()
+    ) -> GatewayProcess: ...
