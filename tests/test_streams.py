@@ -350,3 +350,51 @@ async def test_a_follower_is_cut_when_the_stream_goes_idle(fleet: Fleet, unique:
     assert await resumed.rest() == b"".join(events[1:])
     assert resumed.whole
     assert fleet.llm.calls[key] == 1
+
+
+# Past Python's 4300-digit cap on int(): a count no stream reaches, never a failed answer.
+HUGE_LAST_EVENT_ID = b"9" * 5000
+
+
+async def test_a_huge_numeric_last_event_id_skips_the_stream_live_and_finished(
+    fleet: Fleet, unique: Any
+) -> None:
+    key, body = unique("huge-id"), chat(3)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    follower = await fleet.clients.follow(fleet.other, key, body, last_event_id=HUGE_LAST_EVENT_ID)
+    assert follower.status == 200
+    fleet.llm.release(key, 2)
+    assert await follower.rest() == b""
+    assert follower.whole
+    await first.rest()
+
+    replayed = await fleet.clients.post(fleet.other, key, body, last_event_id=HUGE_LAST_EVENT_ID)
+    assert (replayed.status, replayed.headers["idempotent-replayed"]) == (200, "true")
+    assert await replayed.rest() == b""
+    assert replayed.whole
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_another_client_with_the_key_never_follows_the_stream(
+    fleet: Fleet, unique: Any
+) -> None:
+    """Same key, same body, another credential: its own execution, never the first's events."""
+    key, body = unique("tenant"), chat(2)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    stranger = await RawEventStream.open(
+        fleet.other.port,
+        CHAT,
+        [(b"Authorization", b"Bearer sk_stranger"), *keyed(key)[1:]],
+        body,
+    )
+    fleet.clients.opened.append(stranger)
+    assert "idempotent-replayed" not in stranger.headers
+    fleet.llm.release(key, 3)
+    assert await stranger.rest() == b"".join(whole_output(2))
+    assert stranger.whole
+    await first.rest()
+    assert fleet.llm.calls[key] == 2
