@@ -13,16 +13,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.idempotency.keys import tenant_of
 from idempotency_gateway.idempotency.streams import CUT_NOTICE
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, eventually, write_config
 from tests.support.event_stream_client import RawEventStream
 from tests.support.llm_upstream import TokenUpstream, chat, whole_output
+from tests.support.servers import TEST_SCOPE_SECRET
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.asyncio(loop_scope="module")]
 
@@ -31,6 +37,9 @@ CHAT = "/v1/chat"
 SMALL_CHAT, SMALL = "/v1/small/chat", 1024
 # A route whose followers are cut after a second without an event.
 IDLE_CHAT = "/v1/idle/chat"
+# A route whose lease runs out a second after its owner dies, and whose next request with
+# the key then executes again.
+BRIEF_CHAT = "/v1/brief/chat"
 # Room for the slow follower's stream, far more than any socket buffer holds.
 BIG_STREAM = 16 * 1024 * 1024
 
@@ -55,6 +64,16 @@ def config(upstream_url: str) -> dict[str, Any]:
                 "match": {"path_prefix": "/v1/idle/"},
                 "upstream": "llm",
                 "idempotency": {"streaming": {"follow": True, "idle": "1s"}},
+            },
+            {
+                "name": "brief",
+                "match": {"path_prefix": "/v1/brief/"},
+                "upstream": "llm",
+                "idempotency": {
+                    "lease": "1s",
+                    "on_ambiguous": "retry",
+                    "streaming": {"follow": True},
+                },
             },
             {
                 "name": "chat",
@@ -397,4 +416,56 @@ async def test_another_client_with_the_key_never_follows_the_stream(
     assert await stranger.rest() == b"".join(whole_output(2))
     assert stranger.whole
     await first.rest()
+    assert fleet.llm.calls[key] == 2
+
+
+async def test_a_follower_of_a_killed_owner_never_gets_the_next_executions_events(
+    fleet: Fleet, unique: Any, tmp_path: Path, postgres_url: str, redis_url: str
+) -> None:
+    """The owner's process is SIGKILLed three events in; once its lease is over a retry
+    executes again, replacing the key's Redis stream. The follower still blocked after the
+    third event is cut: the next execution's fourth event onwards is not the rest of the
+    answer it has, and an answer joined from two executions must never look whole."""
+    key, body, events = unique("killed"), chat(6), whole_output(6)
+    env = {"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_REDIS_URL": redis_url}
+    path = write_config(tmp_path, config(fleet.llm.url), name="victim.yaml")
+    async with GatewayProcess(path, env=env, log_dir=tmp_path, name="victim") as victim:
+        first = await fleet.clients.post(victim, key, body, path=BRIEF_CHAT)
+        fleet.llm.release(key, 3)
+        await first.events(3)
+        follower = await fleet.clients.follow(fleet.other, key, body, path=BRIEF_CHAT)
+        assert await follower.events(3) == events[:3]
+        await victim.kill()
+
+    store = open_store(postgres_url, StoreConfig())
+    try:
+        record_key = RecordKey(
+            tenant_of(
+                [(b"authorization", b"Bearer sk_streams")],
+                (b"authorization",),
+                secret=TEST_SCOPE_SECRET.encode(),
+            ),
+            f"POST {BRIEF_CHAT}",
+            key,
+        )
+
+        async def lease_over() -> bool:
+            record = await store.get(record_key)
+            assert record is not None
+            return record.lease_expires_at < datetime.now(UTC)
+
+        # Before that a retry would follow the dead owner's stream until it went idle.
+        await eventually(lease_over, message="the killed owner's lease running out")
+    finally:
+        await store.close()
+    retry = await fleet.clients.post(fleet.first, key, body, path=BRIEF_CHAT)
+    assert "idempotent-replayed" not in retry.headers
+    # More than the retry needs: the killed owner's upstream call may take some before it
+    # sees its connection gone.
+    fleet.llm.release(key, 12)
+    assert await retry.rest() == b"".join(events)
+    assert retry.whole
+    rest = await follower.rest()
+    assert not follower.whole
+    assert rest == CUT_NOTICE
     assert fleet.llm.calls[key] == 2
