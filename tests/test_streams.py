@@ -28,6 +28,7 @@ from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, eventually, write_config
 from tests.support.event_stream_client import RawEventStream
 from tests.support.llm_upstream import TokenUpstream, chat, whole_output
+from tests.support.redis_nodes import RedisNode
 from tests.support.servers import TEST_SCOPE_SECRET
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.asyncio(loop_scope="module")]
@@ -469,3 +470,30 @@ async def test_a_follower_of_a_killed_owner_never_gets_the_next_executions_event
     assert not follower.whole
     assert rest == CUT_NOTICE
     assert fleet.llm.calls[key] == 2
+
+
+async def test_redis_killed_mid_stream_cuts_the_follower_and_not_the_first_client(
+    llm: TokenUpstream, clients: Clients, unique: Any, tmp_path: Path, postgres_url: str
+) -> None:
+    key, body, events = unique("redis-killed"), chat(5), whole_output(5)
+    async with RedisNode() as redis:
+        env = {"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_REDIS_URL": redis.url}
+        async for first_gateway, other_gateway in _gateways(
+            tmp_path, llm, env, ("redis-owner", "redis-follower")
+        ):
+            first = await clients.post(first_gateway, key, body)
+            llm.release(key, 2)
+            await first.events(2)
+            follower = await clients.follow(other_gateway, key, body)
+            assert await follower.events(2) == events[:2]
+            await redis.kill()
+            llm.release(key, 3)
+            assert await first.rest() == b"".join(events[2:])
+            assert first.whole
+            assert await follower.rest() == CUT_NOTICE
+            assert not follower.whole
+            resumed = await clients.post(other_gateway, key, body, last_event_id=b"2")
+            assert (resumed.status, resumed.headers["idempotent-replayed"]) == (200, "true")
+            assert await resumed.rest() == b"".join(events[2:])
+            assert resumed.whole
+    assert llm.calls[key] == 1
