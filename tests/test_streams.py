@@ -301,18 +301,18 @@ async def test_without_redis_only_the_owners_process_follows(local: Fleet, uniqu
     assert local.llm.calls[key] == 1
 
 
-async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
-    fleet: Fleet, unique: Any
+async def _a_stalled_follower_never_stalls_the_first_client(
+    fleet: Fleet, key: str, follower_gateway: GatewayProcess
 ) -> None:
     """Eight megabytes of events, far beyond what the stalled follower's socket and the
     gateway's write buffer hold: the first client still gets every one of them."""
     tokens, padding = 2000, 4096
-    key, body = unique("slow"), chat(tokens, padding=padding)
+    body = chat(tokens, padding=padding)
     expected = b"".join(whole_output(tokens, padding=padding))
     first = await fleet.clients.post(fleet.first, key, body)
     fleet.llm.release(key, 1)
     await first.events(1)
-    stalled = await fleet.clients.follow(fleet.other, key, body, receive_buffer=4096)
+    stalled = await fleet.clients.follow(follower_gateway, key, body, receive_buffer=4096)
     assert stalled.status == 200
     fleet.llm.release(key, tokens - 1)
     rest = await first.rest()
@@ -323,6 +323,22 @@ async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
     assert late == expected
     assert stalled.whole
     assert fleet.llm.calls[key] == 1
+
+
+async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
+    fleet: Fleet, unique: Any
+) -> None:
+    """Through Redis, from another process."""
+    await _a_stalled_follower_never_stalls_the_first_client(fleet, unique("slow"), fleet.other)
+
+
+async def test_a_follower_in_the_owners_process_that_stops_reading_never_stalls_it(
+    local: Fleet, unique: Any
+) -> None:
+    """Without Redis, in the owner's own process."""
+    await _a_stalled_follower_never_stalls_the_first_client(
+        local, unique("slow-local"), local.first
+    )
 
 
 async def test_a_stream_beyond_the_record_limit_is_cut_for_followers(
