@@ -513,3 +513,20 @@ async def test_redis_killed_mid_stream_cuts_the_follower_and_not_the_first_clien
             assert await resumed.rest() == b"".join(events[2:])
             assert resumed.whole
     assert llm.calls[key] == 1
+
+
+async def test_an_empty_last_event_id_is_no_last_event_id(fleet: Fleet, unique: Any) -> None:
+    """An empty value is what the SSE standard's reset (``id:`` alone) leaves, and what a
+    browser then does not send at all: the client has nothing yet, so it gets every event."""
+    key, body, events = unique("empty-id"), chat(3, ids=True), whole_output(3, ids=True)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    follower = await fleet.clients.follow(fleet.other, key, body, last_event_id=b" ")
+    fleet.llm.release(key, 2)
+    assert await follower.rest() == b"".join(events)
+    assert follower.whole
+    await first.rest()
+    replayed = await fleet.clients.post(fleet.other, key, body, last_event_id=b"")
+    assert await replayed.rest() == b"".join(events)
+    assert fleet.llm.calls[key] == 1
