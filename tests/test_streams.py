@@ -13,16 +13,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
+from idempotency_gateway.config import StoreConfig
+from idempotency_gateway.idempotency.keys import tenant_of
 from idempotency_gateway.idempotency.streams import CUT_NOTICE
+from idempotency_gateway.storage import open_store
+from idempotency_gateway.storage.records import RecordKey
 from tests.support import GatewayProcess, eventually, write_config
 from tests.support.event_stream_client import RawEventStream
 from tests.support.llm_upstream import TokenUpstream, chat, whole_output
+from tests.support.redis_nodes import RedisNode
+from tests.support.servers import TEST_SCOPE_SECRET
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.asyncio(loop_scope="module")]
 
@@ -31,6 +38,9 @@ CHAT = "/v1/chat"
 SMALL_CHAT, SMALL = "/v1/small/chat", 1024
 # A route whose followers are cut after a second without an event.
 IDLE_CHAT = "/v1/idle/chat"
+# A route whose lease runs out a second after its owner dies, and whose next request with
+# the key then executes again.
+BRIEF_CHAT = "/v1/brief/chat"
 # Room for the slow follower's stream, far more than any socket buffer holds.
 BIG_STREAM = 16 * 1024 * 1024
 
@@ -55,6 +65,16 @@ def config(upstream_url: str) -> dict[str, Any]:
                 "match": {"path_prefix": "/v1/idle/"},
                 "upstream": "llm",
                 "idempotency": {"streaming": {"follow": True, "idle": "1s"}},
+            },
+            {
+                "name": "brief",
+                "match": {"path_prefix": "/v1/brief/"},
+                "upstream": "llm",
+                "idempotency": {
+                    "lease": "1s",
+                    "on_ambiguous": "retry",
+                    "streaming": {"follow": True},
+                },
             },
             {
                 "name": "chat",
@@ -281,18 +301,18 @@ async def test_without_redis_only_the_owners_process_follows(local: Fleet, uniqu
     assert local.llm.calls[key] == 1
 
 
-async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
-    fleet: Fleet, unique: Any
+async def _a_stalled_follower_never_stalls_the_first_client(
+    fleet: Fleet, key: str, follower_gateway: GatewayProcess
 ) -> None:
     """Eight megabytes of events, far beyond what the stalled follower's socket and the
     gateway's write buffer hold: the first client still gets every one of them."""
     tokens, padding = 2000, 4096
-    key, body = unique("slow"), chat(tokens, padding=padding)
+    body = chat(tokens, padding=padding)
     expected = b"".join(whole_output(tokens, padding=padding))
     first = await fleet.clients.post(fleet.first, key, body)
     fleet.llm.release(key, 1)
     await first.events(1)
-    stalled = await fleet.clients.follow(fleet.other, key, body, receive_buffer=4096)
+    stalled = await fleet.clients.follow(follower_gateway, key, body, receive_buffer=4096)
     assert stalled.status == 200
     fleet.llm.release(key, tokens - 1)
     rest = await first.rest()
@@ -303,6 +323,22 @@ async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
     assert late == expected
     assert stalled.whole
     assert fleet.llm.calls[key] == 1
+
+
+async def test_a_follower_that_stops_reading_never_stalls_the_first_client(
+    fleet: Fleet, unique: Any
+) -> None:
+    """Through Redis, from another process."""
+    await _a_stalled_follower_never_stalls_the_first_client(fleet, unique("slow"), fleet.other)
+
+
+async def test_a_follower_in_the_owners_process_that_stops_reading_never_stalls_it(
+    local: Fleet, unique: Any
+) -> None:
+    """Without Redis, in the owner's own process."""
+    await _a_stalled_follower_never_stalls_the_first_client(
+        local, unique("slow-local"), local.first
+    )
 
 
 async def test_a_stream_beyond_the_record_limit_is_cut_for_followers(
@@ -349,4 +385,148 @@ async def test_a_follower_is_cut_when_the_stream_goes_idle(fleet: Fleet, unique:
     resumed = await fleet.clients.post(fleet.other, key, body, path=IDLE_CHAT, last_event_id=b"1")
     assert await resumed.rest() == b"".join(events[1:])
     assert resumed.whole
+    assert fleet.llm.calls[key] == 1
+
+
+# Past Python's 4300-digit cap on int(): a count no stream reaches, never a failed answer.
+HUGE_LAST_EVENT_ID = b"9" * 5000
+
+
+async def test_a_huge_numeric_last_event_id_skips_the_stream_live_and_finished(
+    fleet: Fleet, unique: Any
+) -> None:
+    key, body = unique("huge-id"), chat(3)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    follower = await fleet.clients.follow(fleet.other, key, body, last_event_id=HUGE_LAST_EVENT_ID)
+    assert follower.status == 200
+    fleet.llm.release(key, 2)
+    assert await follower.rest() == b""
+    assert follower.whole
+    await first.rest()
+
+    replayed = await fleet.clients.post(fleet.other, key, body, last_event_id=HUGE_LAST_EVENT_ID)
+    assert (replayed.status, replayed.headers["idempotent-replayed"]) == (200, "true")
+    assert await replayed.rest() == b""
+    assert replayed.whole
+    assert fleet.llm.calls[key] == 1
+
+
+async def test_another_client_with_the_key_never_follows_the_stream(
+    fleet: Fleet, unique: Any
+) -> None:
+    """Same key, same body, another credential: its own execution, never the first's events."""
+    key, body = unique("tenant"), chat(2)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    stranger = await RawEventStream.open(
+        fleet.other.port,
+        CHAT,
+        [(b"Authorization", b"Bearer sk_stranger"), *keyed(key)[1:]],
+        body,
+    )
+    fleet.clients.opened.append(stranger)
+    assert "idempotent-replayed" not in stranger.headers
+    fleet.llm.release(key, 3)
+    assert await stranger.rest() == b"".join(whole_output(2))
+    assert stranger.whole
+    await first.rest()
+    assert fleet.llm.calls[key] == 2
+
+
+async def test_a_follower_of_a_killed_owner_never_gets_the_next_executions_events(
+    fleet: Fleet, unique: Any, tmp_path: Path, postgres_url: str, redis_url: str
+) -> None:
+    """The owner's process is SIGKILLed three events in; once its lease is over a retry
+    executes again, replacing the key's Redis stream. The follower still blocked after the
+    third event is cut: the next execution's fourth event onwards is not the rest of the
+    answer it has, and an answer joined from two executions must never look whole."""
+    key, body, events = unique("killed"), chat(6), whole_output(6)
+    env = {"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_REDIS_URL": redis_url}
+    path = write_config(tmp_path, config(fleet.llm.url), name="victim.yaml")
+    async with GatewayProcess(path, env=env, log_dir=tmp_path, name="victim") as victim:
+        first = await fleet.clients.post(victim, key, body, path=BRIEF_CHAT)
+        fleet.llm.release(key, 3)
+        await first.events(3)
+        follower = await fleet.clients.follow(fleet.other, key, body, path=BRIEF_CHAT)
+        assert await follower.events(3) == events[:3]
+        await victim.kill()
+
+    store = open_store(postgres_url, StoreConfig())
+    try:
+        record_key = RecordKey(
+            tenant_of(
+                [(b"authorization", b"Bearer sk_streams")],
+                (b"authorization",),
+                secret=TEST_SCOPE_SECRET.encode(),
+            ),
+            f"POST {BRIEF_CHAT}",
+            key,
+        )
+
+        async def lease_over() -> bool:
+            record = await store.get(record_key)
+            assert record is not None
+            return record.lease_expires_at < datetime.now(UTC)
+
+        # Before that a retry would follow the dead owner's stream until it went idle.
+        await eventually(lease_over, message="the killed owner's lease running out")
+    finally:
+        await store.close()
+    retry = await fleet.clients.post(fleet.first, key, body, path=BRIEF_CHAT)
+    assert "idempotent-replayed" not in retry.headers
+    # More than the retry needs: the killed owner's upstream call may take some before it
+    # sees its connection gone.
+    fleet.llm.release(key, 12)
+    assert await retry.rest() == b"".join(events)
+    assert retry.whole
+    rest = await follower.rest()
+    assert not follower.whole
+    assert rest == CUT_NOTICE
+    assert fleet.llm.calls[key] == 2
+
+
+async def test_redis_killed_mid_stream_cuts_the_follower_and_not_the_first_client(
+    llm: TokenUpstream, clients: Clients, unique: Any, tmp_path: Path, postgres_url: str
+) -> None:
+    key, body, events = unique("redis-killed"), chat(5), whole_output(5)
+    async with RedisNode() as redis:
+        env = {"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_REDIS_URL": redis.url}
+        async for first_gateway, other_gateway in _gateways(
+            tmp_path, llm, env, ("redis-owner", "redis-follower")
+        ):
+            first = await clients.post(first_gateway, key, body)
+            llm.release(key, 2)
+            await first.events(2)
+            follower = await clients.follow(other_gateway, key, body)
+            assert await follower.events(2) == events[:2]
+            await redis.kill()
+            llm.release(key, 3)
+            assert await first.rest() == b"".join(events[2:])
+            assert first.whole
+            assert await follower.rest() == CUT_NOTICE
+            assert not follower.whole
+            resumed = await clients.post(other_gateway, key, body, last_event_id=b"2")
+            assert (resumed.status, resumed.headers["idempotent-replayed"]) == (200, "true")
+            assert await resumed.rest() == b"".join(events[2:])
+            assert resumed.whole
+    assert llm.calls[key] == 1
+
+
+async def test_an_empty_last_event_id_is_no_last_event_id(fleet: Fleet, unique: Any) -> None:
+    """An empty value is what the SSE standard's reset (``id:`` alone) leaves, and what a
+    browser then does not send at all: the client has nothing yet, so it gets every event."""
+    key, body, events = unique("empty-id"), chat(3, ids=True), whole_output(3, ids=True)
+    first = await fleet.clients.post(fleet.first, key, body)
+    fleet.llm.release(key, 1)
+    await first.events(1)
+    follower = await fleet.clients.follow(fleet.other, key, body, last_event_id=b" ")
+    fleet.llm.release(key, 2)
+    assert await follower.rest() == b"".join(events)
+    assert follower.whole
+    await first.rest()
+    replayed = await fleet.clients.post(fleet.other, key, body, last_event_id=b"")
+    assert await replayed.rest() == b"".join(events)
     assert fleet.llm.calls[key] == 1

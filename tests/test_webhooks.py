@@ -353,6 +353,32 @@ async def test_a_stripe_event_is_keyed_by_its_id_and_delivered_once(
     assert len(carrying(upstream, event_id)) == 1
 
 
+async def test_a_body_naming_its_id_twice_is_never_answered_as_another_delivery(
+    client: httpx.AsyncClient, upstream: RecordingUpstream
+) -> None:
+    """Parsers differ on which of two "id" members counts, so the body that names both and
+    the body that names only the later one are different requests: the second gets a 422,
+    never the first's stored answer."""
+    shadowed, later = new_id("evt"), new_id("evt")
+    twice = f'{{"id": "{shadowed}", "id": "{later}"}}'.encode()
+    once = f'{{"id": "{later}"}}'.encode()
+    answers = [
+        await client.post(
+            STRIPE,
+            content=body,
+            headers={
+                "Stripe-Signature": stripe_signature(STRIPE_SECRET, body),
+                "Content-Type": "application/json",
+            },
+        )
+        for body in (twice, once)
+    ]
+    assert answers[0].status_code == 201, answers[0].text
+    assert_problem(answers[1], 422, "idempotency-key-reused")
+    assert "Idempotent-Replayed" not in answers[1].headers
+    assert [execution.body for execution in carrying(upstream, later)] == [twice]
+
+
 async def test_stripe_signatures_are_held_to_the_routes_tolerance(
     client: httpx.AsyncClient, upstream: RecordingUpstream
 ) -> None:
@@ -507,6 +533,9 @@ async def test_a_route_spelled_unsigned_dedupes_without_a_signature(
         "twice",
         # A byte no ASCII signature holds, which an HTTP client would refuse to send.
         "latin-1",
+        # The signed id, and another id in another spelling of the name: one field to the
+        # gateway's reader, two to a reader that keeps the case.
+        "id-respelled",
     ],
 )
 async def test_signature_fields_an_http_client_would_not_send_are_refused(
@@ -518,6 +547,8 @@ async def test_signature_fields_an_http_client_would_not_send_are_refused(
     headers = [(name.encode(), value.encode()) for name, value in signed.items()]
     if fields == "twice":
         headers.append((b"webhook-signature", signed["webhook-signature"].encode()))
+    elif fields == "id-respelled":
+        headers.append((b"WEBHOOK-ID", new_id("msg").encode()))
     else:
         headers = [
             (name, value + b"\xff" if name == b"webhook-signature" else value)

@@ -77,13 +77,22 @@ def split_events(body: bytes) -> list[bytes]:
     return [*events, rest] if rest else events
 
 
+# A count of more digits than this no stream reaches; converting it would cost time, and past
+# 4300 digits int() refuses (a follower left without any answer). It names no event: skip all.
+_MAX_COUNT_DIGITS = 18
+
+
 class ResumeAfter:
     """Which events a client resuming after ``Last-Event-ID`` still needs, fed in order."""
 
     def __init__(self, last_event_id: bytes | None) -> None:
         self._last_id = last_event_id
         self._resumed = last_event_id is None
-        self._count = int(last_event_id) if last_event_id and last_event_id.isdigit() else None
+        self._count = (
+            int(last_event_id)
+            if last_event_id and last_event_id.isdigit() and len(last_event_id) <= _MAX_COUNT_DIGITS
+            else None
+        )
         self._by_id = False
         self._counted = 0
 

@@ -49,7 +49,9 @@ def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
 def resume_of(scope: Scope) -> ResumeAfter:
     for name, value in scope["headers"]:
         if name == b"last-event-id":
-            return ResumeAfter(value.strip())
+            # Empty is the SSE reset's "no last event" (browsers then send no field at all),
+            # never an id to skip everything after.
+            return ResumeAfter(value.strip() or None)
     return ResumeAfter(None)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
@@ -40,6 +41,11 @@ LIVE_STREAM_TIMEOUT = 1.0
 # Entries a follower takes per read: what one follower holds at most.
 _FOLLOW_BATCH = 64
 _HEAD, _EVENT, _END = b"h", b"e", b"x"
+# Every entry names the execution that wrote it. An owner that dies mid-stream leaves its
+# followers blocked after its last entry; the next owner of the key replaces the stream
+# with entries numbered from the start, and the ones past that point would otherwise
+# reach those followers as the rest of the first execution's answer.
+_WRITER = b"w"
 
 Entries = list[tuple[bytes, Fields]]
 
@@ -86,7 +92,10 @@ class _RedisPublisher:
         self._entries = 1
         self._room = max_bytes
         self._ended = False
-        appender.add(name, "0-1", {_HEAD: _encode_head(head)}, idle=idle, first=True)
+        self._writer = secrets.token_bytes(8)
+        appender.add(
+            name, "0-1", {_HEAD: _encode_head(head), _WRITER: self._writer}, idle=idle, first=True
+        )
 
     def event(self, raw: bytes) -> None:
         if self._ended:
@@ -104,16 +113,25 @@ class _RedisPublisher:
 
     def _append(self, fields: Fields) -> None:
         self._entries += 1
+        fields[_WRITER] = self._writer
         self._appender.add(self._name, f"0-{self._entries}", fields, idle=self._idle)
 
 
 class _RedisFollower:
     def __init__(
-        self, reader: RedisClient, name: str, after: bytes, head: StreamHead, idle: float
+        self,
+        reader: RedisClient,
+        name: str,
+        after: bytes,
+        head: StreamHead,
+        *,
+        writer: bytes | None,
+        idle: float,
     ) -> None:
         self.head = head
         self.ended = StreamEnd.CUT
         self._reader, self._name, self._after, self._idle = reader, name, after, idle
+        self._writer = writer
 
     async def events(self) -> AsyncGenerator[bytes]:
         after = self._after
@@ -129,6 +147,8 @@ class _RedisFollower:
             if not entries:
                 return  # idle for too long: cut
             for entry_id, fields in entries:
+                if fields.get(_WRITER) != self._writer:
+                    return  # another execution's entries: this one was cut short
                 after = entry_id
                 if _EVENT in fields:
                     yield fields[_EVENT]
@@ -170,7 +190,9 @@ class RedisLiveStreams:
         head = _decode_head(fields)
         if head is None or head.request_hash != request_hash:
             return None
-        return _RedisFollower(self.reader, name, entry_id, head, idle)
+        return _RedisFollower(
+            self.reader, name, entry_id, head, writer=fields.get(_WRITER), idle=idle
+        )
 
     async def close(self) -> None:
         # Appends still waiting go out: followers in other processes get their end.
