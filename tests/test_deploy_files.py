@@ -98,7 +98,9 @@ def settings_the_entrypoint_reads() -> set[str]:
 
 @functools.cache
 def admin_paths() -> set[str]:
-    """Paths the admin listener serves, from the admin app the gateway really builds."""
+    """Paths the admin listener serves, from the admin app the gateway really builds (its
+    OpenAPI document, which lists every route of its routers: FastAPI keeps included routers
+    whole, so ``app.routes`` no longer lists their paths)."""
     config = validate_config(
         {
             "upstreams": {"any": {"url": "http://127.0.0.1:9"}},
@@ -107,7 +109,8 @@ def admin_paths() -> set[str]:
         source="test",
     )
     gateway = create_gateway(config, database_url="sqlite:///:memory:")
-    return {getattr(route, "path", "") for route in gateway.admin.routes}
+    paths: dict[str, object] = gateway.admin.openapi()["paths"]
+    return set(paths)
 
 
 def payments_paths() -> set[str]:
