@@ -5,20 +5,29 @@ writes; for the usual small answer that is two system calls and two loopback seg
 one does. ``HeadWithBody`` wraps a request cycle's transport: the first write (the head) is
 held until the next write, which carries both (``writelines``: no copy), or until the end of
 the current loop iteration, so an app that starts a response and then waits still gets its
-head out at once. Closing flushes it first.
+head out at once. Closing flushes it first, then closes as the connection's protocol says
+(it may linger for a request body still coming).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 
 class HeadWithBody:
-    __slots__ = ("_first", "_flush", "_held", "_loop", "_transport")
+    __slots__ = ("_close", "_first", "_flush", "_held", "_loop", "_transport")
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        close: Callable[[], None] | None = None,
+    ) -> None:
         self._transport = transport
+        self._close = close or transport.close
         self._loop = loop
         self._held: bytes | None = None
         self._flush: asyncio.Handle | None = None
@@ -48,7 +57,7 @@ class HeadWithBody:
         if self._flush is not None:
             self._flush.cancel()
         self._write_held()
-        self._transport.close()
+        self._close()
 
     def is_closing(self) -> bool:
         return self._transport.is_closing()

@@ -17,9 +17,10 @@
   connection closes after that answer, so nothing the client sends next is read as HTTP.
 - HTTP/1.0 clients never get chunked coding: an answer without Content-Length is
   delimited by closing the connection (RFC 9112 section 6.1), or cut by a reset.
-- Refusing a request by its head while the client still sends its body, the server
-  lingers: the answer goes out, the write side is shut, and what the client sends is read
-  and dropped until it ends or ``LINGER_SECONDS`` pass. Closing with unread data would
+- Refusing a request by its head while the client still sends its body (or an app's answer
+  that closes the connection before the body ends), the server lingers: the answer goes
+  out, the write side is shut, and what the client sends is read and dropped until it ends
+  or ``LINGER_SECONDS`` pass. Closing with unread data would
   reset the connection, and a reset can destroy the answer before the client reads it.
 
 Two savings on every request: the connection's loss is reported by callback
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -253,7 +255,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self._pending = _Pending.BODY
         if self.scope["method"] != "HEAD":
             # A HEAD answer has no body write to carry its head: that one goes out alone.
-            self.cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
+            self.cycle.transport = HeadWithBody(  # type: ignore[assignment]
+                self.transport, self.loop, close=functools.partial(self._close_answered, self.cycle)
+            )
 
     def on_body(self, body: bytes) -> None:
         if self._chunks.awaiting:
@@ -359,9 +363,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def _refuse(self, error: GatewayError) -> None:
         """Answer with ``error`` where the client can tell what it answers, and close."""
         self.logger.info("closing a connection: %s", error.detail)
-        self._done_reading = True
-        self._cancel_deadline()
-        self._chunks.cancel()
+        self._stop_reading()
         if self.transport.is_closing():
             return
         if self._answer_would_be_understood():
@@ -372,6 +374,23 @@ class EdgeProtocol(HttpToolsProtocol):
             # disconnect (nothing executes), and nothing it sends is written any more.
             cycle.disconnected = True
             cycle.message_event.set()
+        self._close_lingering()
+
+    def _stop_reading(self) -> None:
+        """What the client sends from now on is dropped, never parsed or timed."""
+        self._done_reading = True
+        self._cancel_deadline()
+        self._chunks.cancel()
+
+    def _close_answered(self, cycle: RequestResponseCycle) -> None:
+        """The app's answer ends the connection (``Connection: close``). Its request's body
+        may still be coming (an answer given by the head, such as a missing key): then the
+        server lingers as a refusal does, since closing with unread data would reset the
+        connection and could destroy the answer before the client reads it."""
+        if not cycle.more_body or self.transport.is_closing():
+            self.transport.close()
+            return
+        self._stop_reading()
         self._close_lingering()
 
     def _close_lingering(self) -> None:
