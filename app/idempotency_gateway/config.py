@@ -641,6 +641,11 @@ class StoreConfig(_Model):
     # Named prepared statements, each prepared once per connection: less parsing and planning
     # per request. Turn off behind PgBouncer in transaction mode, which cannot keep them.
     prepared_statements: bool = True
+    # Group commit (PostgreSQL): the reserves, and the finalizes, that one worker meets in one
+    # event-loop iteration go out as one statement each, one batch of a kind in flight at a
+    # time. Nothing a client sees changes; fewer round trips and commits under load.
+    group_commit: bool = True
+    group_commit_max_batch: int = Field(64, ge=1, le=1000)
 
 
 IpNetwork = Annotated[

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import asyncpg
@@ -34,6 +35,7 @@ from idempotency_gateway.storage.base import (
     record_from_row,
 )
 from idempotency_gateway.storage.errors import READ_ONLY_DETAIL, Driver, store_errors
+from idempotency_gateway.storage.group_commit import GroupCommit
 from idempotency_gateway.storage.records import (
     Fence,
     Invalidation,
@@ -80,6 +82,12 @@ class PostgresRecordStore(RecordStore):
         self.config = config
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
+        self.reserves: GroupCommit[tuple[RecordKey, Claim], Reservation] | None = None
+        self.finalizes: GroupCommit[_Outcome, bool] | None = None
+        if config.group_commit:
+            batch = config.group_commit_max_batch
+            self.reserves = GroupCommit(self._reserve_batch, key=_key_of_item, max_batch=batch)
+            self.finalizes = GroupCommit(self._finalize_batch, key=_key_of_item, max_batch=batch)
 
     async def start(self) -> None:
         """Open the pool, and its first ``pool_min_size`` connections, before anything else
@@ -171,16 +179,41 @@ class PostgresRecordStore(RecordStore):
 
     async def reserve(self, key: RecordKey, claim: Claim) -> Reservation:
         """Insert a fresh ``IN_PROGRESS`` row, or return the row that holds the key."""
+        if self.reserves is not None:
+            return await self.reserves.submit((key, claim))
         args = (*self._key(key), claim.request_hash, claim.owner_id, claim.lease, claim.ttl)
         async with self._pg("reserve") as connection:
             row = await connection.fetchrow(sql.RESERVE, self._pin(), *args)
             if row is None:
                 # The holder committed after the reserve's snapshot began: a read sees it.
                 row = await connection.fetchrow(sql.SELECT_WITH_NOW, self._pin(), *self._key(key))
-        if row is None:
-            # Deleted between our insert and read: rare enough that the caller just retries.
-            raise StoreUnavailable("the record vanished while being reserved; retry")
-        return Reservation(record_from_row(row), row["reserved"], row["db_now"])
+        return _reservation(row)
+
+    async def _reserve_batch(
+        self, items: Sequence[tuple[RecordKey, Claim]]
+    ) -> list[Reservation | StoreUnavailable]:
+        """``reserve`` for many keys, in one statement (and a read for any key whose holder
+        committed after that statement's snapshot began)."""
+        ordered = sorted(items, key=_key_of_item)
+        keys = [self._key(key) for key, _ in ordered]
+        claims = [(c.request_hash, c.owner_id, c.lease, c.ttl) for _, c in ordered]
+        pin = self._pin()
+        async with self._pg("reserve") as connection:
+            rows = await connection.fetch(
+                sql.RESERVE_BATCH, pin, *_columns(keys, 3), *_columns(claims, 4)
+            )
+            found = {_row_key(row): row for row in rows}
+            unseen = [key for key in keys if key not in found]
+            if unseen:
+                more = await connection.fetch(sql.SELECT_BATCH_WITH_NOW, pin, *_columns(unseen, 3))
+                found.update((_row_key(row), row) for row in more)
+        answers: list[Reservation | StoreUnavailable] = []
+        for key, _ in items:
+            try:
+                answers.append(_reservation(found.get(self._key(key))))
+            except StoreUnavailable as error:
+                answers.append(error)
+        return answers
 
     async def take_over(self, seen: Record, claim: Claim) -> Record | None:
         """Claim ``seen`` for a new execution, only if nobody changed it since it was read
@@ -215,6 +248,8 @@ class PostgresRecordStore(RecordStore):
     async def _write_outcome(
         self, key: RecordKey, fence: Fence, status: Status, answer: StoredColumns, ttl: float
     ) -> bool:
+        if self.finalizes is not None:
+            return await self.finalizes.submit(_Outcome(key, fence, status, answer, ttl))
         async with self._pg("finalize") as connection:
             result = await connection.execute(
                 sql.FINALIZE,
@@ -231,6 +266,34 @@ class PostgresRecordStore(RecordStore):
                 ttl,
             )
         return _changed(result)
+
+    async def _finalize_batch(self, outcomes: Sequence[_Outcome]) -> list[bool]:
+        """``finalize`` for many keys in one statement; each row is written only where its
+        own owner and fencing token match."""
+        ordered = sorted(outcomes, key=_key_of_item)
+        columns = _columns(
+            [
+                (
+                    *self._key(o.key),
+                    o.fence.owner_id,
+                    o.fence.fencing_token,
+                    o.status.value,
+                    o.answer.status,
+                    None if o.answer.headers is None else json.dumps(o.answer.headers),
+                    o.answer.body,
+                    o.answer.compressed,
+                    o.answer.omitted,
+                    o.ttl,
+                )
+                for o in ordered
+            ],
+            12,
+        )
+        async with self._pg("finalize") as connection:
+            rows = await connection.fetch(sql.FINALIZE_BATCH, self._pin(), *columns)
+        # Ordinals count from 1, in the order sent.
+        written = {id(ordered[row["ord"] - 1]) for row in rows}
+        return [id(outcome) in written for outcome in outcomes]
 
     async def release_unsent(self, key: RecordKey, owner_id: str) -> bool:
         async with self._pg("release_unsent") as connection:
@@ -310,6 +373,39 @@ class PostgresRecordStore(RecordStore):
             rows = await connection.fetch(sql.INVALIDATIONS_AFTER, seen, within.total_seconds())
             await connection.execute(sql.PRUNE_INVALIDATIONS, keep.total_seconds())
         return [invalidation_from_row(row) for row in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """One finalize waiting for its batch."""
+
+    key: RecordKey
+    fence: Fence
+    status: Status
+    answer: StoredColumns
+    ttl: float
+
+
+def _key_of_item(item: tuple[RecordKey, Claim] | _Outcome) -> tuple[str, str, str]:
+    """The key a batch holds at most once, and the order every gateway sends keys in."""
+    key = item.key if isinstance(item, _Outcome) else item[0]
+    return key.tenant, key.operation, key.idempotency_key
+
+
+def _columns(rows: Sequence[tuple[object, ...]], width: int) -> list[list[object]]:
+    """Rows as the arrays ``unnest`` takes, one per column."""
+    return [[row[i] for row in rows] for i in range(width)]
+
+
+def _row_key(row: asyncpg.Record) -> tuple[str, str, str]:
+    return row["scope"], row["operation"], row["idempotency_key"]
+
+
+def _reservation(row: asyncpg.Record | None) -> Reservation:
+    if row is None:
+        # Deleted between our insert and read: rare enough that the caller just retries.
+        raise StoreUnavailable("the record vanished while being reserved; retry")
+    return Reservation(record_from_row(row), row["reserved"], row["db_now"])
 
 
 def _rows(command_tag: str) -> int:

@@ -212,3 +212,76 @@ ORDER BY id
 PRUNE_INVALIDATIONS = """
 DELETE FROM cache_invalidations WHERE created_at < now() - make_interval(secs => $1)
 """
+
+# Group commit (``storage.group_commit``): the reserves, and the finalizes, of one event-loop
+# iteration as one statement each. $2.. are arrays, one element per request, no key twice.
+_BATCH_KEY = (
+    "r.scope = b.scope AND r.operation = b.operation AND r.idempotency_key = b.idempotency_key"
+)
+
+# $2 scopes, $3 operations, $4 keys, $5 request hashes, $6 owner ids, $7 leases, $8 ttls
+# (seconds). Rows go in in the order given, which every gateway sorts the same way, so two
+# batches never wait on each other's new rows in a cycle. Each request gets its new row, or
+# the row that holds its key, with the database's "now" to judge it by, exactly as RESERVE.
+RESERVE_BATCH = f"""
+WITH {_CLOCK},
+b AS (
+    SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+        $7::float8[], $8::float8[]) WITH ORDINALITY
+    AS b(scope, operation, idempotency_key, request_hash, owner_id, lease, ttl, ord)
+),
+inserted AS (
+    INSERT INTO idempotency_records AS r (
+        scope, operation, idempotency_key, request_hash, status, owner_id, fencing_token,
+        lease_expires_at, attempts, body_compressed, body_omitted,
+        created_at, updated_at, expires_at)
+    SELECT b.scope, b.operation, b.idempotency_key, b.request_hash, 'IN_PROGRESS', b.owner_id,
+        {_NEXT_TOKEN}, clock.now + make_interval(secs => b.lease), 1, false, false,
+        clock.now, clock.now, clock.now + make_interval(secs => b.ttl)
+    FROM b, clock
+    ORDER BY b.ord
+    ON CONFLICT DO NOTHING
+    RETURNING r.*
+)
+SELECT true AS reserved, clock.now AS db_now, inserted.* FROM inserted, clock
+UNION ALL
+SELECT false, clock.now, r.* FROM b JOIN idempotency_records r ON {_BATCH_KEY}, clock
+WHERE NOT EXISTS (
+    SELECT FROM inserted i WHERE i.scope = b.scope AND i.operation = b.operation
+        AND i.idempotency_key = b.idempotency_key)
+"""
+
+# The keys a batch's reserve saw neither inserted nor held (their holders committed after its
+# snapshot began): $2 scopes, $3 operations, $4 keys.
+SELECT_BATCH_WITH_NOW = f"""
+WITH {_CLOCK}
+SELECT false AS reserved, clock.now AS db_now, r.*
+FROM unnest($2::text[], $3::text[], $4::text[]) AS b(scope, operation, idempotency_key)
+JOIN idempotency_records r ON {_BATCH_KEY}, clock
+"""
+
+# $2 scopes, $3 operations, $4 keys, $5 owner ids, $6 fencing tokens, $7 statuses, $8..$12
+# the answers, $13 ttls. Each row is written only where ITS owner and token match, as in
+# FINALIZE; the ordinals of the rows written tell each request whether its write won.
+FINALIZE_BATCH = f"""
+WITH {_CLOCK},
+b AS (
+    SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[],
+        $7::text[], $8::int[], $9::text[], $10::bytea[], $11::bool[], $12::bool[],
+        $13::float8[]) WITH ORDINALITY
+    AS b(scope, operation, idempotency_key, owner_id, fencing_token, status,
+        response_status, response_headers, response_body, body_compressed, body_omitted,
+        ttl, ord)
+)
+UPDATE idempotency_records r SET
+    status = b.status, updated_at = clock.now,
+    response_status = b.response_status, response_headers = b.response_headers::json,
+    response_body = b.response_body,
+    body_compressed = b.body_compressed, body_omitted = b.body_omitted,
+    expires_at = CASE WHEN r.expires_at <= clock.now
+        THEN clock.now + make_interval(secs => b.ttl) ELSE r.expires_at END
+FROM b, clock
+WHERE {_BATCH_KEY}
+    AND r.status = 'IN_PROGRESS' AND r.owner_id = b.owner_id AND r.fencing_token = b.fencing_token
+RETURNING b.ord
+"""
