@@ -44,6 +44,8 @@ class Outcome:
     skipped: str | None = None
     connections: int = 0
     seconds: float = 0.0
+    commits: int | None = None
+    """Transactions committed on the bench database during the measured run."""
 
 
 @dataclass

@@ -124,6 +124,10 @@ def _notes(outcome: Outcome, outcomes: Mapping[str, Outcome]) -> str:
     cpu_per_request = _cpu_per_request(outcome)
     if cpu_per_request is not None:
         notes.append(f"{cpu_per_request:.3f} ms CPU/req")
+    if outcome.cpu is not None and outcome.cpu.get("postgres") > 0 and result.rps > 0:
+        notes.append(f"PostgreSQL {outcome.cpu.get('postgres') / result.rps * 1000:.3f} ms CPU/req")
+    if outcome.commits is not None and result.requests:
+        notes.append(f"{outcome.commits / result.requests:.2f} commits/req")
     if load.count_statuses and result.requests:
         executed = result.ok - (result.replayed or 0)
         notes.append(

@@ -37,6 +37,7 @@ from benchmarks.servers import (
 )
 from benchmarks.services import (
     DEFAULT_REDIS_URL,
+    committed_transactions,
     flush_redis_database,
     postgres_version,
     prepare_database,
@@ -84,6 +85,7 @@ class Run:
         self.notes: list[str] = []
         self.outcomes: dict[str, Outcome] = {}
         self.memory: MemoryOutcome | None = None
+        self.database_url = ""
         self.index = 0
         self.total = len(self.ids)
         self.nonce = datetime.now(UTC).strftime("%Y%m%d%H%M%S")
@@ -93,6 +95,14 @@ class Run:
         self.generator: LoadGenerator = choose_generator(
             force_builtin=options.builtin_loadgen, script_dir=self.work_dir, threads=options.threads
         )
+
+    def _commits(self) -> int | None:
+        """Commits on the bench database so far, once the servers have reported them: a
+        server process reports its counts within a second of going idle."""
+        if not self.database_url:
+            return None
+        time.sleep(1.1)
+        return committed_transactions(self.database_url)
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -170,15 +180,28 @@ class Run:
                     RunParameters(base_url, scenario.load, connections, options.warmup, warm_nonce)
                 )
             parameters = RunParameters(base_url, scenario.load, connections, options.seconds, nonce)
+            commits_before = self._commits()
             result, cpu = measure(self.generator, parameters, server=server, upstream=upstream)
+            commits_after = self._commits()
         except (RuntimeError, OSError) as exc:
             say(f"        failed: {exc}")
             self.outcomes[scenario.id] = Outcome(
                 scenario, label, skipped=f"failed: {exc}", connections=connections
             )
             return
+        commits = (
+            None
+            if commits_before is None or commits_after is None
+            else commits_after - commits_before
+        )
         self.outcomes[scenario.id] = Outcome(
-            scenario, label, result, cpu, connections=connections, seconds=options.seconds
+            scenario,
+            label,
+            result,
+            cpu,
+            connections=connections,
+            seconds=options.seconds,
+            commits=commits,
         )
         versus = ""
         baseline = self.outcomes.get(scenario.baseline or "")
@@ -284,6 +307,7 @@ class Run:
         nginx = find_nginx()
         use_nginx_upstream = nginx is not None and not options.builtin_upstream
         ctx = RunContext(self.work_dir, self.log_dir, database_url, redis_url, nginx)
+        self.database_url = database_url
         upstream_kind = (
             "nginx (1 worker process)" if use_nginx_upstream
             else "built-in (raw asyncio + httptools, 1 process)"

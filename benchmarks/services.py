@@ -71,6 +71,27 @@ def postgres_version(url: str) -> str:
         return f"unknown ({type(exc).__name__})"
 
 
+async def _commits(url: str) -> int:
+    connection = await asyncpg.connect(url, timeout=5)
+    try:
+        commits: int = await connection.fetchval(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        )
+        return commits
+    finally:
+        await connection.close()
+
+
+def committed_transactions(url: str) -> int | None:
+    """``pg_stat_database.xact_commit`` of the bench database: every commit on it so far,
+    as far as its server processes have reported them (each reports within a second of
+    going idle, so read it a second after the load stops)."""
+    try:
+        return asyncio.run(_commits(url))
+    except (OSError, asyncpg.PostgresError, TimeoutError):
+        return None
+
+
 def redis_version(url: str) -> str | None:
     """Redis's version when it answers at ``url``, else ``None``."""
     import redis
