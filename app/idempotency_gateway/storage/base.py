@@ -9,7 +9,9 @@ matched; ``idempotency_gateway.idempotency.machine`` decides what a record means
 
 Round trips on the hot path: a new key costs one reserve and one finalize; a duplicate costs
 one statement on PostgreSQL (the reserve returns the existing row in the same round trip).
-Statements run in autocommit mode, so none pays for a separate BEGIN and COMMIT.
+Statements run in autocommit mode, so none pays for a separate BEGIN and COMMIT. On PostgreSQL
+the reserves, and the finalizes, of one event-loop iteration share one statement (group commit,
+``storage.group_commit``), each caller still getting its own statement's answer.
 
 This module imports no driver: a library user pays only for the backend the URL names.
 """
