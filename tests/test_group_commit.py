@@ -195,6 +195,8 @@ async def test_cancelled_callers_leave_the_rest_of_the_batch_answered(
     done = await asyncio.gather(*tasks, return_exceptions=True)
     assert isinstance(done[0], asyncio.CancelledError)
     assert all(isinstance(r, Reservation) and r.reserved for r in done[1:])
+    # Cancelled before its batch went out: its reserve was never sent.
+    assert await store.get(wanted[0]) is None
 
 
 async def test_max_batch_bounds_a_statement(postgres_url: str, statements: StatementLog) -> None:

@@ -85,8 +85,13 @@ class GroupCommit(Generic[Item, Result]):
                 _answer(future, error)
             return
         except BaseException as error:
+            # Cancelled (the loop is closing) or a bug: no caller waits forever for it.
             for _, future in batch:
-                if not future.done():
+                if future.done():
+                    continue
+                if isinstance(error, asyncio.CancelledError):
+                    future.cancel()
+                else:
                     future.set_exception(error)
             raise
         for (_, future), answer in zip(batch, answers, strict=True):
