@@ -262,7 +262,10 @@ JOIN idempotency_records r ON {_BATCH_KEY}, clock
 
 # $2 scopes, $3 operations, $4 keys, $5 owner ids, $6 fencing tokens, $7 statuses, $8..$12
 # the answers, $13 ttls. Each row is written only where ITS owner and token match, as in
-# FINALIZE; the ordinals of the rows written tell each request whether its write won.
+# FINALIZE; the ordinals of the rows written tell each request whether its write won. A row
+# is locked only where its fence matches, so two batches wait on each other only when each
+# names a row the other owns (two stale owners at once); PostgreSQL's deadlock detector then
+# fails one batch, whose owners try again as after any store error.
 FINALIZE_BATCH = f"""
 WITH {_CLOCK},
 b AS (
