@@ -40,8 +40,6 @@ class GroupCommit(Generic[Item, Result]):
         self._max_batch = max_batch
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
         self._flusher: asyncio.Task[None] | None = None
-        self.batches = 0
-        """Batches sent so far (each one statement): what tests and benchmarks count."""
 
     async def submit(self, item: Item) -> Result:
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
@@ -77,7 +75,6 @@ class GroupCommit(Generic[Item, Result]):
                 self._flusher = asyncio.create_task(self._flush())
 
     async def _send(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
-        self.batches += 1
         try:
             answers = await self._run([item for item, _ in batch])
         except StoreUnavailable as error:
