@@ -35,8 +35,8 @@ from idempotency_gateway.replay.cache import (
     decode,
     encode,
 )
-from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support import RecordingUpstream, eventually, free_port

@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import RedisCluster
 
 from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
-from idempotency_gateway.replay.redis_adapter import RedisUnavailable
 from idempotency_gateway.replay.redis_connection import (
     CommandClient,
     NodeSubscriber,
     cluster_client,
     redis_failures,
 )
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 
 
 class SlotMap:

@@ -24,7 +24,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
-from idempotency_gateway.replay.redis_adapter import RedisUnavailable, is_cluster_url, uses_tls
+from idempotency_gateway.replay.redis_adapter import is_cluster_url, uses_tls
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 
 # What a Redis call raises when Redis is down, slow, refusing or killed mid-call: redis-py's
 # own errors (``RedisClusterException`` is not a ``RedisError``: a slot no live node covers),
