@@ -24,6 +24,10 @@ from idempotency_gateway.storage.records import RecordKey
 from tests.support.redis_nodes import RedisClusterNodes, RedisNode, tolerates_dead_node_leaks
 from tests.support.waiting import eventually
 
+# A three-primary Redis Cluster: seconds. test_redis_round_trips keeps the wake-ups in
+# the fast loop.
+pytestmark = pytest.mark.slow
+
 # Far longer than the test's own deadlines: a waiter that returns within WAKE_DEADLINE was
 # woken by a message, not by the end of its wait.
 WAIT = 120.0

@@ -50,6 +50,10 @@ from tests.support.gateway import (
 )
 from tests.support.keyed import is_replay, record_key, send_keyed
 
+# Gateways restarted around Redis: seconds. test_replay_headers, test_redis_round_trips and
+# test_gateway_behaviour keep replays in the fast loop.
+pytestmark = pytest.mark.slow
+
 BINARY_BODY = b'{"id": "ch_1"}\n\x00\x01 line two\r\n\x00\xff\xfe trailing\n'
 ONE_HOUR = 3600.0
 
