@@ -1,4 +1,5 @@
-"""``RedisAdapter``: all the cache and the wake-ups ask of Redis, on one node or a cluster.
+"""``RedisAdapter``: all the cache, the wake-ups and the live streams ask of Redis, on one node
+or a cluster.
 
 ``connect_redis`` (``redis_connect``) builds it once from the URL, and that is the only place
 where one node and a cluster part ways: a single node (``redis_node``) sends its GET and
@@ -17,13 +18,25 @@ wake-ups are written against.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from idempotency_gateway.replay.wakeups import PublishedWakeups
 
 _CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
+
+# A stream entry's fields, and a stream's entries with their ids, as Redis sends them.
+Fields = dict[bytes, bytes]
+Entries = list[tuple[bytes, Fields]]
+
+
+class StreamAppend(NamedTuple):
+    stream: str
+    entry_id: str
+    fields: Fields
+    # The stream is deleted before this entry (a new owner's first: see ``redis_appends``).
+    replace: bool = False
 
 
 class RedisAdapter(Protocol):
@@ -43,6 +56,22 @@ class RedisAdapter(Protocol):
 
     async def health(self, *, ping: Callable[[], Awaitable[bool]], ping_timeout: float) -> str:
         """What readiness reports: ``ping`` is the cache's own, under its breaker."""
+        ...
+
+    async def append_to_streams(
+        self, appends: Sequence[StreamAppend], *, expiries: Mapping[str, int]
+    ) -> None:
+        """XADD each entry and EXPIRE each stream (seconds), pipelined in one round trip; an
+        entry whose id the stream already holds is left as it is."""
+        ...
+
+    async def first_entry(self, stream: str) -> Entries:
+        """XRANGE COUNT 1: the stream's first entry, if it has one."""
+        ...
+
+    async def read_stream(self, stream: str, after: bytes, *, count: int, block_ms: int) -> Entries:
+        """XREAD BLOCK: up to ``count`` entries after ``after``, waiting up to ``block_ms``
+        for one (none when it passed), on a connection of its own whose reads may wait."""
         ...
 
     def wakeups(self, *, timeout: float) -> PublishedWakeups:
