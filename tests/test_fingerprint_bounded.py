@@ -37,6 +37,10 @@ from tests.support.keyed import is_replay, keyed_gateway_config, send_keyed
 from tests.support.waiting import eventually
 from tests.test_fingerprint_exact import as_json, values
 
+# Bodies of megabytes: seconds. test_fingerprint_exact keeps the fingerprint in the fast
+# loop.
+pytestmark = pytest.mark.slow
+
 JSON = [(b"content-type", b"application/json")]
 # A stall longer than this on a worker would be a defect: it is a thirtieth of the default
 # lease, and a tenth of what fingerprinting a 10 MiB JSON body took on the event loop. The

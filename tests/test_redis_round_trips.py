@@ -21,8 +21,8 @@ from redis.asyncio.connection import AbstractConnection
 
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.replay.cache import CachedAnswer, cache_key
-from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support.clock import ManualClock, state_of
@@ -211,7 +211,8 @@ async def test_a_client_library_failure_of_any_kind_degrades_and_never_reaches_t
     # What redis-py's cluster client raised in a fault run when a node's connection was
     # dropped by a concurrent reconnect: not a RedisError, and it cut a client's answer short.
     cache = cache_on(node)
-    wakeups = connect_redis(node.url, timeout=2.0, connect_timeout=2.0).wakeups(timeout=2.0)
+    redis = connect_redis(node.url, timeout=2.0, connect_timeout=2.0)
+    wakeups = redis.wakeups(timeout=2.0)
     try:
         assert await cache.ping()
 
@@ -231,7 +232,7 @@ async def test_a_client_library_failure_of_any_kind_degrades_and_never_reaches_t
     finally:
         await wakeups.close()
         # The wake-ups do not own their adapter (the gateway shares the cache's).
-        await wakeups.publisher.close()
+        await redis.close()
         await cache.close()
 
 

@@ -35,8 +35,8 @@ from idempotency_gateway.replay.cache import (
     decode,
     encode,
 )
-from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support import RecordingUpstream, eventually, free_port
@@ -49,6 +49,10 @@ from tests.support.gateway import (
     unreachable_database_url,
 )
 from tests.support.keyed import is_replay, record_key, send_keyed
+
+# Gateways restarted around Redis: seconds. test_replay_headers, test_redis_round_trips and
+# test_gateway_behaviour keep replays in the fast loop.
+pytestmark = pytest.mark.slow
 
 BINARY_BODY = b'{"id": "ch_1"}\n\x00\x01 line two\r\n\x00\xff\xfe trailing\n'
 ONE_HOUR = 3600.0

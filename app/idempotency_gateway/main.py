@@ -49,9 +49,9 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.proxy.upstream_client import UpstreamClient
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
-from idempotency_gateway.replay.live_streams import live_streams_for
-from idempotency_gateway.replay.redis_adapter import connect_redis
+from idempotency_gateway.replay.live_streams_for import live_streams_for
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.resilience.bulkhead import publish_every

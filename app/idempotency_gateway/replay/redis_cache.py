@@ -29,7 +29,8 @@ from idempotency_gateway.replay.cache import (
     decode,
     encode,
 )
-from idempotency_gateway.replay.redis_adapter import RedisAdapter, RedisUnavailable
+from idempotency_gateway.replay.redis_adapter import RedisAdapter
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 from idempotency_gateway.replay.wakeups import channel_for
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.storage.records import RecordKey

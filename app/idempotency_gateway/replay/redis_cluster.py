@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import RedisCluster
 
 from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
-from idempotency_gateway.replay.redis_adapter import RedisUnavailable
+from idempotency_gateway.replay.redis_commands import CommandClient
 from idempotency_gateway.replay.redis_connection import (
-    CommandClient,
     NodeSubscriber,
     cluster_client,
     redis_failures,
 )
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 
 
 class SlotMap:
@@ -54,8 +54,10 @@ class SlotMap:
 
 
 class ClusterRedis(CommandClient):
-    def __init__(self, commands: RedisCluster, topology: RedisCluster) -> None:
-        super().__init__(commands)
+    def __init__(
+        self, commands: RedisCluster, topology: RedisCluster, reader: RedisCluster
+    ) -> None:
+        super().__init__(commands, reader)
         self._client: RedisCluster = commands
         self._slot_map = SlotMap(topology)
 
@@ -63,6 +65,7 @@ class ClusterRedis(CommandClient):
     def from_url(cls, url: str, *, timeout: float | None, connect_timeout: float) -> ClusterRedis:
         return cls(
             cluster_client(url, timeout=timeout, connect_timeout=connect_timeout),
+            cluster_client(url, timeout=None, connect_timeout=connect_timeout),
             cluster_client(url, timeout=None, connect_timeout=connect_timeout),
         )
 
@@ -113,3 +116,4 @@ class ClusterRedis(CommandClient):
         with redis_failures():
             await self._client.aclose()
         await self._slot_map.close()
+        await self.close_reader()

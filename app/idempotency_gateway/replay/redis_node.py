@@ -2,7 +2,8 @@
 
 A replay's GET and an answer's SET + PUBLISH go on connections of the client's own pool,
 past redis-py's per-call layers (``redis_direct``); everything else through the client.
-Wake-ups listen on one pub/sub connection of a client of their own, whose reads block.
+Wake-ups listen on one pub/sub connection of a client of their own, whose reads block, and
+live streams' followers read on another (``redis_commands``).
 """
 
 from __future__ import annotations
@@ -11,19 +12,15 @@ from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
-from idempotency_gateway.replay.redis_connection import (
-    CommandClient,
-    NodeSubscriber,
-    node_client,
-    redis_failures,
-)
+from idempotency_gateway.replay.redis_commands import CommandClient
+from idempotency_gateway.replay.redis_connection import NodeSubscriber, node_client, redis_failures
 from idempotency_gateway.replay.redis_direct import DirectCommands
 from idempotency_gateway.replay.wakeups import RedisWakeups
 
 
 class NodeRedis(CommandClient):
-    def __init__(self, commands: Redis, subscriber: Redis) -> None:
-        super().__init__(commands)
+    def __init__(self, commands: Redis, subscriber: Redis, reader: Redis) -> None:
+        super().__init__(commands, reader)
         self._client: Redis = commands
         self._direct = DirectCommands(commands)
         self._subscriber = NodeSubscriber(subscriber, sharded=False)
@@ -32,6 +29,7 @@ class NodeRedis(CommandClient):
     def from_url(cls, url: str, *, timeout: float | None, connect_timeout: float) -> NodeRedis:
         return cls(
             node_client(url, timeout=timeout, connect_timeout=connect_timeout),
+            node_client(url, timeout=None, connect_timeout=connect_timeout),
             node_client(url, timeout=None, connect_timeout=connect_timeout),
         )
 
@@ -59,3 +57,4 @@ class NodeRedis(CommandClient):
         with redis_failures():
             await self._client.aclose()
         await self._subscriber.close()
+        await self.close_reader()
