@@ -22,10 +22,16 @@ from idempotency_gateway.replay.wakeups import RedisWakeups
 
 
 class NodeRedis(CommandClient):
-    def __init__(self, commands: Redis, subscriber: Redis) -> None:
+    """``direct``: the client whose pool the GET and SET + PUBLISH take connections from.
+    It has no socket timeout: redis-py would wrap every write in a task of ``wait_for`` and
+    every read in a timeout of its own, each judged on the loop's clock, while the cache
+    already bounds each of these calls with its own deadline (``redis_deadline``)."""
+
+    def __init__(self, commands: Redis, subscriber: Redis, direct: Redis) -> None:
         super().__init__(commands)
         self._client: Redis = commands
-        self._direct = DirectCommands(commands)
+        self._direct_client = direct
+        self._direct = DirectCommands(direct)
         self._subscriber = NodeSubscriber(subscriber, sharded=False)
 
     @classmethod
@@ -33,11 +39,17 @@ class NodeRedis(CommandClient):
         return cls(
             node_client(url, timeout=timeout, connect_timeout=connect_timeout),
             node_client(url, timeout=None, connect_timeout=connect_timeout),
+            node_client(url, timeout=None, connect_timeout=connect_timeout),
         )
 
     async def get(self, name: str) -> object:
         with redis_failures():
             return (await self._direct.run(("GET", name)))[0]
+
+    async def get_with_ttl(self, name: str) -> tuple[object, object]:
+        with redis_failures():
+            value, ttl_ms = await self._direct.run(("GET", name), ("PTTL", name))
+        return value, ttl_ms
 
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
         with redis_failures():
@@ -57,5 +69,6 @@ class NodeRedis(CommandClient):
     async def close(self) -> None:
         await self._direct.close()
         with redis_failures():
+            await self._direct_client.aclose()
             await self._client.aclose()
         await self._subscriber.close()
