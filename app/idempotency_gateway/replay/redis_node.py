@@ -53,7 +53,9 @@ class NodeRedis(CommandClient):
 
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
         with redis_failures():
-            await self._direct.run(("SET", name, value, "PX", ttl_ms), ("PUBLISH", channel, b"1"))
+            await self._direct.run_batched(
+                ("SET", name, value, "PX", ttl_ms), ("PUBLISH", channel, b"1")
+            )
 
     async def publish(self, channel: str) -> None:
         with redis_failures():
