@@ -280,8 +280,11 @@ async def test_redis_cache_reads_a_bad_entry_as_a_miss(
 async def cached_gateway(
     start_gateway: StartGateway, postgres_url: str, redis_url: str
 ) -> RunningGateway:
-    """The production shape: PostgreSQL decides, the test Redis caches."""
-    return await start_gateway(postgres_url, keyed=True, redis_url=redis_url)
+    """PostgreSQL decides, the test Redis caches, and no in-process tier sits in front of
+    Redis (``max_entries: 0``): every replay shows what Redis holds."""
+    return await start_gateway(
+        postgres_url, keyed=True, redis_url=redis_url, cache={"max_entries": 0}
+    )
 
 
 def entry_name(key: str) -> str:
@@ -498,7 +501,7 @@ async def test_gateway_with_redis_down_answers_from_postgres_and_stops_asking_re
         postgres_url,
         keyed=True,
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        cache={"timeout": "50ms"},
+        cache={"timeout": "50ms", "max_entries": 0},
     )
     cache = gateway.app.cache
     assert isinstance(cache, RedisCache)
@@ -581,7 +584,10 @@ async def test_redis_killed_under_duplicate_load_costs_no_answer_and_no_second_e
     unique: Callable[[str], str],
 ) -> None:
     gateway = await start_gateway(
-        postgres_url, keyed=True, redis_url=own_redis.url, cache={"timeout": "250ms"}
+        postgres_url,
+        keyed=True,
+        redis_url=own_redis.url,
+        cache={"timeout": "250ms", "max_entries": 0},
     )
     cache = gateway.app.cache
     assert isinstance(cache, RedisCache)

@@ -44,6 +44,10 @@ class RedisAdapter(Protocol):
         """The value as Redis sent it: ``bytes``, or ``None`` when there is none."""
         ...
 
+    async def get_with_ttl(self, name: str) -> tuple[object, object]:
+        """The value and its remaining life in milliseconds (PTTL), in one round trip."""
+        ...
+
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
         """SET with a TTL and a wake-up on ``channel``, in one round trip."""
         ...

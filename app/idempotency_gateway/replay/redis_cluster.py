@@ -73,6 +73,14 @@ class ClusterRedis(CommandClient):
         with redis_failures():
             return await self._client.get(name)
 
+    async def get_with_ttl(self, name: str) -> tuple[object, object]:
+        with redis_failures():
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.get(name)
+                pipe.pttl(name)
+                value, ttl_ms = await pipe.execute()
+        return value, ttl_ms
+
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
         with redis_failures():
             async with self._client.pipeline(transaction=False) as pipe:

@@ -19,10 +19,18 @@ from idempotency_gateway.replay.wakeups import RedisWakeups
 
 
 class NodeRedis(CommandClient):
-    def __init__(self, commands: Redis, subscriber: Redis, reader: Redis) -> None:
+    """``direct``: the client whose pool the GET and SET + PUBLISH take connections from.
+    It has no socket timeout: redis-py would wrap every write in a task of ``wait_for`` and
+    every read in a timeout of its own, each judged on the loop's clock, while the cache
+    already bounds each of these calls with its own deadline (``redis_deadline``). ``reader``
+    is another without one, for live streams' blocking reads, kept apart so that followers
+    never take the connections a replay needs."""
+
+    def __init__(self, commands: Redis, subscriber: Redis, reader: Redis, direct: Redis) -> None:
         super().__init__(commands, reader)
         self._client: Redis = commands
-        self._direct = DirectCommands(commands)
+        self._direct_client = direct
+        self._direct = DirectCommands(direct)
         self._subscriber = NodeSubscriber(subscriber, sharded=False)
 
     @classmethod
@@ -31,15 +39,23 @@ class NodeRedis(CommandClient):
             node_client(url, timeout=timeout, connect_timeout=connect_timeout),
             node_client(url, timeout=None, connect_timeout=connect_timeout),
             node_client(url, timeout=None, connect_timeout=connect_timeout),
+            node_client(url, timeout=None, connect_timeout=connect_timeout),
         )
 
     async def get(self, name: str) -> object:
         with redis_failures():
             return (await self._direct.run(("GET", name)))[0]
 
+    async def get_with_ttl(self, name: str) -> tuple[object, object]:
+        with redis_failures():
+            value, ttl_ms = await self._direct.run(("GET", name), ("PTTL", name))
+        return value, ttl_ms
+
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
         with redis_failures():
-            await self._direct.run(("SET", name, value, "PX", ttl_ms), ("PUBLISH", channel, b"1"))
+            await self._direct.run_batched(
+                ("SET", name, value, "PX", ttl_ms), ("PUBLISH", channel, b"1")
+            )
 
     async def publish(self, channel: str) -> None:
         with redis_failures():
@@ -55,6 +71,7 @@ class NodeRedis(CommandClient):
     async def close(self) -> None:
         await self._direct.close()
         with redis_failures():
+            await self._direct_client.aclose()
             await self._client.aclose()
         await self._subscriber.close()
         await self.close_reader()
