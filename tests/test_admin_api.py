@@ -54,6 +54,10 @@ from tests.support.problems import assert_problem
 from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import BEHAVIOR_HEADER
 
+# Many gateways with an admin listener: seconds. The fast loop keeps the admin API in
+# test_operator_store_errors and test_admin_docs_offline.
+pytestmark = pytest.mark.slow
+
 TOKEN = "admin-token-for-tests"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 OPERATION = f"POST {CHARGES}"

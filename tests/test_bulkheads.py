@@ -25,7 +25,6 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,7 +36,7 @@ from idempotency_gateway.storage.base import RecordStore
 from tests.support.gateway import PRIMARY, GatewayLauncher, gateway_config, route
 from tests.support.keyed import AUTHORIZATION, record_key, send_keyed
 from tests.support.problems import assert_problem
-from tests.support.servers import GatewayProcess, write_config
+from tests.support.servers import GatewayProcess, StartGatewayProcess
 from tests.support.upstream import RecordingUpstream
 from tests.support.waiting import eventually
 
@@ -97,17 +96,11 @@ def tiers_config(upstream_url: str) -> dict[str, Any]:
 
 @pytest.fixture
 async def one_worker(
-    tmp_path: Path, upstream: RecordingUpstream, postgres_url: str
-) -> AsyncIterator[GatewayProcess]:
-    gateway = GatewayProcess(
-        write_config(tmp_path, tiers_config(upstream.url)),
-        env={"GATEWAY_DATABASE_URL": postgres_url},
-        log_dir=tmp_path,
-        # A shared, busy machine can take a while to start a Python process.
-        startup_timeout=60.0,
+    upstream: RecordingUpstream, start_gateway_process: StartGatewayProcess, postgres_url: str
+) -> GatewayProcess:
+    return await start_gateway_process(
+        tiers_config(upstream.url), env={"GATEWAY_DATABASE_URL": postgres_url}
     )
-    async with gateway:
-        yield gateway
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import asyncpg
 import httpx
@@ -27,9 +26,10 @@ from idempotency_gateway.operations.cache_invalidations import POLL_INTERVAL, Ca
 from idempotency_gateway.replay.cache import CachedAnswer, InProcessCache
 from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
-from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support import GatewayProcess, RecordingUpstream, eventually
 from tests.support.charges import CHARGE, CHARGES
 from tests.support.keyed import AUTHORIZATION, is_replay, keyed_gateway_config, record_key
+from tests.support.servers import StartGatewayProcess
 from tests.support.upstream import KEY_HEADER
 
 pytestmark = pytest.mark.slow
@@ -44,22 +44,19 @@ BURSTS = 4
 
 @pytest.fixture
 async def two_workers(
-    tmp_path: Path, upstream: RecordingUpstream, database_url: str
-) -> AsyncIterator[GatewayProcess]:
-    config = keyed_gateway_config(upstream.url)
-    gateway = GatewayProcess(
-        write_config(tmp_path, config.model_dump(mode="json")),
+    upstream: RecordingUpstream, start_gateway_process: StartGatewayProcess, database_url: str
+) -> GatewayProcess:
+    gateway = await start_gateway_process(
+        keyed_gateway_config(upstream.url).model_dump(mode="json"),
         env={"GATEWAY_DATABASE_URL": database_url, "GATEWAY_ADMIN_TOKEN": TOKEN},
         extra_args=["--workers", "2"],
-        log_dir=tmp_path,
     )
-    async with gateway:
-        await eventually(
-            lambda: gateway.log_text().count("Started server process") >= 2,
-            timeout=20.0,
-            message="both workers of the gateway started",
-        )
-        yield gateway
+    await eventually(
+        lambda: gateway.log_text().count("Started server process") >= 2,
+        timeout=20.0,
+        message="both workers of the gateway started",
+    )
+    return gateway
 
 
 @contextlib.asynccontextmanager

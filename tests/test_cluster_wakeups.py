@@ -18,11 +18,15 @@ import pytest
 import redis.asyncio
 from redis.crc import key_slot
 
-from idempotency_gateway.replay.redis_adapter import connect_redis
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.replay.wakeups import channel_for
 from idempotency_gateway.storage.records import RecordKey
 from tests.support.redis_nodes import RedisClusterNodes, RedisNode, tolerates_dead_node_leaks
 from tests.support.waiting import eventually
+
+# A three-primary Redis Cluster: seconds. test_redis_round_trips keeps the wake-ups in
+# the fast loop.
+pytestmark = pytest.mark.slow
 
 # Far longer than the test's own deadlines: a waiter that returns within WAKE_DEADLINE was
 # woken by a message, not by the end of its wait.
@@ -102,7 +106,8 @@ async def test_a_dead_primary_delays_only_the_wakeups_of_the_keys_it_serves(
     after = {address: keys[1] for address, keys in chosen.items() if address != victim.address}
     assert len(after) == 2, "keys on two live primaries"
 
-    wakeups = connect_redis(cluster.url, timeout=1.0, connect_timeout=1.0).wakeups(timeout=1.0)
+    redis = connect_redis(cluster.url, timeout=1.0, connect_timeout=1.0)
+    wakeups = redis.wakeups(timeout=1.0)
     await wakeups.start()
     waiters = {
         address: asyncio.create_task(wakeups.wait(key, WAIT)) for address, key in before.items()
@@ -139,5 +144,5 @@ async def test_a_dead_primary_delays_only_the_wakeups_of_the_keys_it_serves(
             waiter.cancel()
         await wakeups.close()
         # Closed while the loop runs, the seed nodes' own connections too.
-        await wakeups.publisher.close()
+        await redis.close()
         gc.collect()

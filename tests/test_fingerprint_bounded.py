@@ -26,6 +26,7 @@ from benchmarks.bodies import MAX_BODY, numbers
 from idempotency_gateway.config import MAX_CANONICAL_BODY, IdempotencyConfig
 from idempotency_gateway.idempotency.fingerprint import (
     OFFLOAD_ABOVE,
+    CanonicalMemo,
     canonical_json,
     fingerprint,
     request_hash,
@@ -36,6 +37,10 @@ from tests.support.gateway import GatewayLauncher, route
 from tests.support.keyed import is_replay, keyed_gateway_config, send_keyed
 from tests.support.waiting import eventually
 from tests.test_fingerprint_exact import as_json, values
+
+# Bodies of megabytes: seconds. test_fingerprint_exact keeps the fingerprint in the fast
+# loop.
+pytestmark = pytest.mark.slow
 
 JSON = [(b"content-type", b"application/json")]
 # A stall longer than this on a worker would be a defect: it is a thirtieth of the default
@@ -259,3 +264,28 @@ async def test_json_bodies_at_the_size_limits_do_not_stall_the_worker(postgres_u
     ]
     assert samples > samples_before  # the monitor ran meanwhile
     assert stalls == stalls_before
+
+
+@settings(max_examples=200, deadline=None)
+@given(values)
+def test_the_canonical_memo_answers_what_canonical_json_answers(value: Any) -> None:
+    """A memo, not a second function: first sight and every repeat agree with the canonical
+    form worked out afresh, a body compared as bytes (``None``) included."""
+    memo = CanonicalMemo(max_entries=4, max_body=OFFLOAD_ABOVE, max_bytes=1 << 20)
+    body = as_json(value)
+    for content_type in (b"application/json", b"text/plain"):
+        expected = canonical_json(content_type, body)
+        assert [memo.canonical_json(content_type, body) for _ in range(2)] == [expected] * 2
+
+
+def test_the_canonical_memo_keeps_its_bounds() -> None:
+    memo = CanonicalMemo(max_entries=3, max_body=64, max_bytes=40)
+    bodies = [b'{"n": %d, "pad": "%s"}' % (index, b"x" * index) for index in range(10)]
+    duplicate_keys = b'{"a": 1, "a": 2}'
+
+    for body in [*bodies, duplicate_keys, b'{"big": "%s"}' % (b"y" * 64)]:
+        assert memo.canonical_json(b"application/json", body) == canonical_json(
+            b"application/json", body
+        )
+        assert len(memo) <= 3
+        assert memo.size_bytes <= 40

@@ -7,14 +7,14 @@ from __future__ import annotations
 import gc
 import json
 import re
-from pathlib import Path
 
 import httpx
 import pytest
 
 from idempotency_gateway.server.heap import YOUNG_GENERATION_THRESHOLD, settle_after_startup
-from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support import RecordingUpstream, eventually
 from tests.support.gateway import gateway_config, route
+from tests.support.servers import StartGatewayProcess
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,27 +35,24 @@ def settled_workers(log_text: str) -> dict[int, int]:
 
 
 async def test_every_served_worker_settles_its_heap_and_serves(
-    tmp_path: Path, sqlite_url: str
+    upstream: RecordingUpstream, start_gateway_process: StartGatewayProcess, sqlite_url: str
 ) -> None:
-    async with RecordingUpstream() as upstream:
-        config = gateway_config(upstream.url, routes=[route("/", key="optional")])
-        gateway = GatewayProcess(
-            write_config(tmp_path, config.model_dump(mode="json")),
-            env={"GATEWAY_DATABASE_URL": sqlite_url},
-            extra_args=["--workers", "2", "--log-format", "json"],
-            log_dir=tmp_path,
-        )
-        async with gateway:
-            await eventually(
-                lambda: len(settled_workers(gateway.log_text())) == 2,
-                message="both workers settled their heaps",
-            )
-            settled = settled_workers(gateway.log_text())
-            async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-                for _ in range(20):
-                    response = await client.get(gateway.url + "/v1/ping")
-                    assert response.is_success
-        assert upstream.total == 20
+    config = gateway_config(upstream.url, routes=[route("/", key="optional")])
+    gateway = await start_gateway_process(
+        config.model_dump(mode="json"),
+        env={"GATEWAY_DATABASE_URL": sqlite_url},
+        extra_args=["--workers", "2", "--log-format", "json"],
+    )
+    await eventually(
+        lambda: len(settled_workers(gateway.log_text())) == 2,
+        message="both workers settled their heaps",
+    )
+    settled = settled_workers(gateway.log_text())
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        for _ in range(20):
+            response = await client.get(gateway.url + "/v1/ping")
+            assert response.is_success
+    assert upstream.total == 20
     # A worker's startup leaves far more than a toy process's objects alive.
     assert all(frozen > 50_000 for frozen in settled.values()), settled
 

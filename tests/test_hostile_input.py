@@ -61,6 +61,10 @@ from tests.support.raw_http import (
 from tests.support.servers import TEST_SCOPE_SECRET, serve_asgi
 from tests.support.upstream import BEHAVIOR_HEADER, EXECUTION_HEADER, Execution
 
+# Gateway processes fed hostile requests: seconds. test_request_target and
+# test_edge_client keep the parser and the edge in the fast loop.
+pytestmark = pytest.mark.slow
+
 BODY_LIMIT = 64 * 1024
 ADMIN_TOKEN = "hostile-suite-admin-token"
 EXAMPLES = settings(

@@ -32,6 +32,10 @@ from tests.support.raw_upstream import RawUpstream, Received, until_closed
 from tests.support.servers import TEST_SCOPE_SECRET, serve_asgi
 
 Ending = Literal["close", "reset", "hold"]
+# Upstreams that misbehave at length: seconds. test_proxy and test_upstream_client keep
+# the upstream side in the fast loop.
+pytestmark = pytest.mark.slow
+
 STATUSES = (200, 201, 418)  # answers the gateway stores; it never makes one of these itself
 TRAILERS = (
     b"Set-Cookie: session=from-a-trailer",

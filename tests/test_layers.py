@@ -8,6 +8,9 @@ The rule is stated twice: as import-linter contracts (``[tool.importlinter]`` in
 pyproject.toml, which also follow indirect imports), run here as ``lint-imports``, and as
 ``LAYERS`` below, which a layers contract cannot say all of: that the package's own
 ``__init__`` (the public API) is imported by the CLI alone.
+
+Nor do modules import each other in a circle, even through an import inside a function or
+under ``TYPE_CHECKING`` (``tests.support.import_graph``, which also prints the wings).
 """
 
 from __future__ import annotations
@@ -20,11 +23,8 @@ from pathlib import Path
 
 import pytest
 
-import idempotency_gateway
+from tests.support.import_graph import NAME, PACKAGE, circles, graph, module_name, wing_of
 from tests.support.servers import PROJECT_ROOT
-
-PACKAGE = Path(idempotency_gateway.__file__).parent
-NAME = "idempotency_gateway"
 
 # Lowest first. A name is a top-level module or a folder of the package.
 LAYERS: tuple[frozenset[str], ...] = (
@@ -50,23 +50,11 @@ LAYERS: tuple[frozenset[str], ...] = (
 )
 
 
-def _unit_of(module: str) -> str:
-    """``idempotency_gateway.proxy.app`` -> ``proxy``; ``idempotency_gateway`` -> ``__init__``."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
-
-
 def _layer_of(unit: str) -> int:
     for index, layer in enumerate(LAYERS):
         if unit in layer:
             return index
     raise AssertionError(f"{unit} belongs to no layer: add it to LAYERS in {__file__}")
-
-
-def _module_name(path: Path) -> str:
-    relative = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
-    return ".".join(parts)
 
 
 def _imports(path: Path) -> list[str]:
@@ -91,18 +79,18 @@ KEPT_APART: dict[str, frozenset[str]] = {
 
 
 def test_every_folder_and_module_has_a_layer() -> None:
-    units = {_unit_of(_module_name(path)) for path in MODULES}
+    units = {wing_of(module_name(path)) for path in MODULES}
     for unit in units:
         _layer_of(unit)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))
 def test_imports_point_down(path: Path) -> None:
-    importer = _unit_of(_module_name(path))
+    importer = wing_of(module_name(path))
     upward = [
         imported
         for imported in _imports(path)
-        if (unit := _unit_of(imported)) != importer and _layer_of(unit) >= _layer_of(importer)
+        if (unit := wing_of(imported)) != importer and _layer_of(unit) >= _layer_of(importer)
     ]
     assert not upward, f"{path.relative_to(PACKAGE)} imports from its own layer or above: {upward}"
 
@@ -124,5 +112,9 @@ def test_the_import_linter_contracts_are_kept() -> None:
 @pytest.mark.parametrize("module", sorted(KEPT_APART))
 def test_kept_apart(module: str) -> None:
     forbidden = KEPT_APART[module]
-    imported = [name for name in _imports(PACKAGE / module) if _unit_of(name) in forbidden]
+    imported = [name for name in _imports(PACKAGE / module) if wing_of(name) in forbidden]
     assert not imported, f"{module} imports {imported}"
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert circles(graph()) == []

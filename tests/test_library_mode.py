@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 
 from idempotency_gateway import IdempotencyConfig, IdempotencyMiddleware, Outcome, RecordStore
@@ -26,6 +27,10 @@ from tests.support import serve_asgi
 from tests.support.clock import ManualClock
 from tests.support.problems import assert_problem
 from tests.support.servers import PROJECT_ROOT
+
+# Whole applications served in process: seconds. test_library_production keeps the
+# library mode in the fast loop.
+pytestmark = pytest.mark.slow
 
 CHARGE = {"amount": 1250, "currency": "eur"}
 SCOPE_SECRET = "a long random secret of this deployment"

@@ -21,7 +21,7 @@ from idempotency_gateway.replay.live_streams import (
     stream_name,
 )
 from idempotency_gateway.replay.redis_appends import Append, Appender
-from idempotency_gateway.replay.redis_connection import redis_client as client_of
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.replay.redis_live_streams import RedisLiveStreams
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
@@ -35,9 +35,7 @@ async def live(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[
     streams: LiveStreams
     if request.param == "redis":
         streams = RedisLiveStreams(
-            redis=client_of(redis_url, timeout=1.0, connect_timeout=1.0),
-            reader=client_of(redis_url, timeout=None, connect_timeout=1.0),
-            timeout=1.0,
+            redis=connect_redis(redis_url, timeout=1.0, connect_timeout=1.0), timeout=1.0
         )
     else:
         streams = LocalLiveStreams()
@@ -110,7 +108,7 @@ async def test_a_stream_past_its_size_is_cut(live: LiveStreams, key: RecordKey) 
 async def test_a_batch_sent_twice_lands_once(
     redis_client: redis.asyncio.Redis, redis_url: str, key: RecordKey
 ) -> None:
-    client = client_of(redis_url, timeout=1.0, connect_timeout=1.0)
+    client = connect_redis(redis_url, timeout=1.0, connect_timeout=1.0)
     appender = Appender(
         client, timeout=1.0, degradation=DegradationLog("test appends", fallback="none")
     )
@@ -126,7 +124,7 @@ async def test_a_batch_sent_twice_lands_once(
         assert await appender._send([Append(name, "0-3", {b"e": b"two"}, 5.0, 0.0)])
     finally:
         await appender.close()
-        await client.aclose()
+        await client.close()
     assert await redis_client.xrange(name) == [
         (b"0-1", {b"h": b"head"}),
         (b"0-2", {b"e": b"one"}),
@@ -140,9 +138,7 @@ async def test_with_redis_away_the_owner_goes_on_and_nobody_follows(key: RecordK
     no stream (it gets the 409), and the entries are given up once their stream is idle."""
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
     live = RedisLiveStreams(
-        redis=client_of(nowhere, timeout=0.5, connect_timeout=0.5),
-        reader=client_of(nowhere, timeout=None, connect_timeout=0.5),
-        timeout=0.5,
+        redis=connect_redis(nowhere, timeout=0.5, connect_timeout=0.5), timeout=0.5
     )
     try:
         publisher = live.publish(key, HEAD, max_bytes=1024, idle=0.5)

@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support import GatewayProcess, RecordingUpstream, eventually
 from tests.support.problems import assert_problem
+from tests.support.servers import StartGatewayProcess
 from tests.support.upstream import BEHAVIOR_HEADER
 
 pytestmark = pytest.mark.multiprocess
@@ -74,13 +74,13 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
-async def start_gateways(
-    tmp_path: Path, postgres_url: str, upstream: RecordingUpstream
-) -> AsyncIterator[StartGateways]:
+def start_gateways(
+    upstream: RecordingUpstream, start_gateway_process: StartGatewayProcess, postgres_url: str
+) -> StartGateways:
     """``await start_gateways(count, lease=..., on_ambiguous=..., extra_args=...)``: that many
-    gateway processes on the shared PostgreSQL database, started together, stopped at the end
-    (their log tails are printed when a test fails)."""
-    started: list[GatewayProcess] = []
+    gateway processes on the shared PostgreSQL database, started together
+    (``start_gateway_process``, which stops them, before ``upstream``, and prints their log
+    tails)."""
 
     async def start(
         count: int,
@@ -89,31 +89,14 @@ async def start_gateways(
         on_ambiguous: str = "fail",
         extra_args: Sequence[str] = (),
     ) -> list[GatewayProcess]:
-        config = write_config(
-            tmp_path,
-            gateway_config(upstream.url, lease=lease, on_ambiguous=on_ambiguous),
-            name=f"gateway-{len(started)}.yaml",
-        )
-        gateways = [
-            GatewayProcess(
-                config,
-                env={"GATEWAY_DATABASE_URL": postgres_url},
-                extra_args=extra_args,
-                log_dir=tmp_path,
-                name=f"gateway-{chr(ord('a') + len(started) + index)}",
-            )
-            for index in range(count)
+        config = gateway_config(upstream.url, lease=lease, on_ambiguous=on_ambiguous)
+        env = {"GATEWAY_DATABASE_URL": postgres_url}
+        starts = [
+            start_gateway_process(config, env=env, extra_args=extra_args) for _ in range(count)
         ]
-        started.extend(gateways)
-        await asyncio.gather(*(gateway.start() for gateway in gateways))
-        return gateways
+        return list(await asyncio.gather(*starts))
 
-    try:
-        yield start
-    finally:
-        await asyncio.gather(*(gateway.stop() for gateway in started), return_exceptions=True)
-        for gateway in started:
-            print(f"--- {gateway.name} log tail ---\n{gateway.log_tail()}")
+    return start
 
 
 async def post_order(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +21,7 @@ import redis.asyncio
 from idempotency_gateway.asgi import Headers
 from idempotency_gateway.idempotency.prefer import requested_wait
 from idempotency_gateway.replay.wakeups import LocalWakeups, channel_for
-from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support import RecordingUpstream, eventually
 from tests.support.gateway import RunningGateway, StartGateway, route
 from tests.support.keyed import (
     PREFERENCE_APPLIED,
@@ -31,6 +30,7 @@ from tests.support.keyed import (
     record_key,
     send_keyed,
 )
+from tests.support.servers import StartGatewayProcess
 
 # Shorter than every wait a woken waiter asks for (5 s and 10 s here): a waiter that answers
 # within it was woken by the owner's finalize, not by its own timeout.
@@ -214,17 +214,17 @@ async def test_parked_waiters_hold_no_database_connection(
 
 @pytest.mark.multiprocess
 async def test_waiter_on_another_gateway_process_is_woken_through_redis(
-    tmp_path: Path,
+    upstream: RecordingUpstream,
+    start_gateway_process: StartGatewayProcess,
     postgres_url: str,
     redis_url: str,
     redis_client: redis.asyncio.Redis,
-    upstream: RecordingUpstream,
     unique: Callable[[str], str],
 ) -> None:
-    config = write_config(tmp_path, keyed_gateway_config(upstream.url).model_dump(mode="json"))
+    config = keyed_gateway_config(upstream.url).model_dump(mode="json")
     env = {"GATEWAY_DATABASE_URL": postgres_url, "GATEWAY_REDIS_URL": redis_url}
-    gateway_a, gateway_b = (
-        GatewayProcess(config, env=env, log_dir=tmp_path, name=name) for name in ("a", "b")
+    gateway_a, gateway_b = await asyncio.gather(
+        start_gateway_process(config, env=env), start_gateway_process(config, env=env)
     )
     key = unique("cross-process")
     channel = channel_for(record_key(key))
@@ -233,23 +233,17 @@ async def test_waiter_on_another_gateway_process_is_woken_through_redis(
         [(_, subscribers)] = await redis_client.pubsub_numsub(channel)
         return subscribers == 1
 
-    try:
-        await asyncio.gather(gateway_a.start(), gateway_b.start())
-        async with (
-            httpx.AsyncClient(base_url=gateway_a.url, timeout=30.0, trust_env=False) as on_a,
-            httpx.AsyncClient(base_url=gateway_b.url, timeout=30.0, trust_env=False) as on_b,
-        ):
-            owner = asyncio.create_task(send_keyed(on_a, key, behavior="gate=across"))
-            await upstream.wait_arrived("across")
-            waiter = asyncio.create_task(send_keyed(on_b, key, prefer="wait=10"))
-            await eventually(waiter_subscribed, message="gateway b waits on the key's channel")
-            upstream.release("across")
-            original = await owner
-            replay = await asyncio.wait_for(waiter, WAKE_DEADLINE)
-    finally:
-        await asyncio.gather(gateway_a.stop(), gateway_b.stop())
-        for gateway in (gateway_a, gateway_b):
-            print(f"--- gateway {gateway.name} log tail ---\n{gateway.log_tail()}")
+    async with (
+        httpx.AsyncClient(base_url=gateway_a.url, timeout=30.0, trust_env=False) as on_a,
+        httpx.AsyncClient(base_url=gateway_b.url, timeout=30.0, trust_env=False) as on_b,
+    ):
+        owner = asyncio.create_task(send_keyed(on_a, key, behavior="gate=across"))
+        await upstream.wait_arrived("across")
+        waiter = asyncio.create_task(send_keyed(on_b, key, prefer="wait=10"))
+        await eventually(waiter_subscribed, message="gateway b waits on the key's channel")
+        upstream.release("across")
+        original = await owner
+        replay = await asyncio.wait_for(waiter, WAKE_DEADLINE)
 
     assert_replay_after_wait(replay, original, applied="wait=10")
     assert upstream.count(key) == 1

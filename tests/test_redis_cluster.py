@@ -17,8 +17,8 @@ import pytest
 import pytest_asyncio
 
 from idempotency_gateway.replay.cache import CachedAnswer
-from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support.redis_nodes import RedisClusterNodes, tolerates_dead_node_leaks
 from tests.support.waiting import eventually
@@ -72,7 +72,8 @@ async def test_entries_on_every_node_are_stored_and_replayed(
 async def test_a_wakeup_published_by_one_client_reaches_a_waiter_of_another(
     cluster: RedisClusterNodes, cache: RedisCache, keys: list[RecordKey]
 ) -> None:
-    waiting_side = connect_redis(cluster.url, timeout=1.0, connect_timeout=1.0).wakeups(timeout=1.0)
+    waiting_redis = connect_redis(cluster.url, timeout=1.0, connect_timeout=1.0)
+    waiting_side = waiting_redis.wakeups(timeout=1.0)
     await waiting_side.start()
     try:
         for key in keys[:6]:
@@ -85,7 +86,7 @@ async def test_a_wakeup_published_by_one_client_reaches_a_waiter_of_another(
             assert waiter.result() is True
     finally:
         await waiting_side.close()
-        await waiting_side.publisher.close()
+        await waiting_redis.close()
 
 
 @tolerates_dead_node_leaks

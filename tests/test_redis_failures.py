@@ -18,8 +18,9 @@ from redis.asyncio.connection import AbstractConnection
 
 from idempotency_gateway.replay import redis_cache
 from idempotency_gateway.replay.cache import CachedAnswer
-from idempotency_gateway.replay.redis_adapter import RedisAdapter, connect_redis
+from idempotency_gateway.replay.redis_adapter import RedisAdapter
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support.redis_nodes import RedisNode
 

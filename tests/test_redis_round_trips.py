@@ -21,8 +21,9 @@ from redis.asyncio.connection import AbstractConnection
 
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.replay.cache import CachedAnswer, cache_key
-from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
+from idempotency_gateway.replay.redis_direct import BatchFailed, DirectCommands
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support.clock import ManualClock, state_of
@@ -211,7 +212,8 @@ async def test_a_client_library_failure_of_any_kind_degrades_and_never_reaches_t
     # What redis-py's cluster client raised in a fault run when a node's connection was
     # dropped by a concurrent reconnect: not a RedisError, and it cut a client's answer short.
     cache = cache_on(node)
-    wakeups = connect_redis(node.url, timeout=2.0, connect_timeout=2.0).wakeups(timeout=2.0)
+    redis = connect_redis(node.url, timeout=2.0, connect_timeout=2.0)
+    wakeups = redis.wakeups(timeout=2.0)
     try:
         assert await cache.ping()
 
@@ -231,7 +233,7 @@ async def test_a_client_library_failure_of_any_kind_degrades_and_never_reaches_t
     finally:
         await wakeups.close()
         # The wake-ups do not own their adapter (the gateway shares the cache's).
-        await wakeups.publisher.close()
+        await redis.close()
         await cache.close()
 
 
@@ -282,3 +284,52 @@ async def test_redis_dropping_every_client_costs_one_failed_command_not_one_per_
         assert found.key == fresh_key
     finally:
         await cache.close()
+
+
+BATCHED = 5
+
+
+async def test_answers_stored_in_one_loop_iteration_are_one_pipeline(
+    node: RedisNode, unique: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = cache_on(node)
+    keys = [
+        RecordKey("scope-round-trips", "POST /v1/charges", unique(f"b{n}")) for n in range(BATCHED)
+    ]
+    try:
+        assert await cache.put(answer_for(RecordKey("scope-round-trips", "warm-up", "warm-up")))
+        counter = WriteCounter(monkeypatch)
+        before = await command_counts(node.url)
+        writes = counter.writes
+
+        stored = await asyncio.gather(*(cache.put(answer_for(key)) for key in keys))
+
+        assert stored == [True] * BATCHED
+        assert counter.writes - writes == 1
+        assert delta(before, await command_counts(node.url)) == {"set": BATCHED, "publish": BATCHED}
+        for key in keys:
+            found = await cache.get(key)
+            assert found is not None
+            assert found.key == key
+    finally:
+        await cache.close()
+
+
+async def test_a_cancelled_batch_sender_fails_the_others_instead_of_leaving_them_waiting(
+    node: RedisNode,
+) -> None:
+    client = redis.asyncio.Redis.from_url(node.url)
+    direct = DirectCommands(client)
+    try:
+        sender = asyncio.create_task(direct.run_batched(("PING",)))
+        others = [asyncio.create_task(direct.run_batched(("ECHO", b"x"))) for _ in range(2)]
+        # Runs after every task's first step: the sender is then waiting for its batch.
+        asyncio.get_running_loop().call_soon(sender.cancel)
+        outcomes = await asyncio.gather(sender, *others, return_exceptions=True)
+
+        assert isinstance(outcomes[0], asyncio.CancelledError)
+        assert all(isinstance(outcome, BatchFailed) for outcome in outcomes[1:])
+        assert await direct.run_batched(("ECHO", b"after")) == [b"after"]
+    finally:
+        await direct.close()
+        await client.aclose()

@@ -35,8 +35,8 @@ from idempotency_gateway.replay.cache import (
     decode,
     encode,
 )
-from idempotency_gateway.replay.redis_adapter import connect_redis
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support import RecordingUpstream, eventually, free_port
@@ -49,6 +49,10 @@ from tests.support.gateway import (
     unreachable_database_url,
 )
 from tests.support.keyed import is_replay, record_key, send_keyed
+
+# Gateways restarted around Redis: seconds. test_replay_headers, test_redis_round_trips and
+# test_gateway_behaviour keep replays in the fast loop.
+pytestmark = pytest.mark.slow
 
 BINARY_BODY = b'{"id": "ch_1"}\n\x00\x01 line two\r\n\x00\xff\xfe trailing\n'
 ONE_HOUR = 3600.0
@@ -276,8 +280,11 @@ async def test_redis_cache_reads_a_bad_entry_as_a_miss(
 async def cached_gateway(
     start_gateway: StartGateway, postgres_url: str, redis_url: str
 ) -> RunningGateway:
-    """The production shape: PostgreSQL decides, the test Redis caches."""
-    return await start_gateway(postgres_url, keyed=True, redis_url=redis_url)
+    """PostgreSQL decides, the test Redis caches, and no in-process tier sits in front of
+    Redis (``max_entries: 0``): every replay shows what Redis holds."""
+    return await start_gateway(
+        postgres_url, keyed=True, redis_url=redis_url, cache={"max_entries": 0}
+    )
 
 
 def entry_name(key: str) -> str:
@@ -494,7 +501,7 @@ async def test_gateway_with_redis_down_answers_from_postgres_and_stops_asking_re
         postgres_url,
         keyed=True,
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        cache={"timeout": "50ms"},
+        cache={"timeout": "50ms", "max_entries": 0},
     )
     cache = gateway.app.cache
     assert isinstance(cache, RedisCache)
@@ -577,7 +584,10 @@ async def test_redis_killed_under_duplicate_load_costs_no_answer_and_no_second_e
     unique: Callable[[str], str],
 ) -> None:
     gateway = await start_gateway(
-        postgres_url, keyed=True, redis_url=own_redis.url, cache={"timeout": "250ms"}
+        postgres_url,
+        keyed=True,
+        redis_url=own_redis.url,
+        cache={"timeout": "250ms", "max_entries": 0},
     )
     cache = gateway.app.cache
     assert isinstance(cache, RedisCache)

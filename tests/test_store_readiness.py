@@ -19,6 +19,7 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+import pytest
 
 from idempotency_gateway.config import GatewayConfig
 from idempotency_gateway.database_url import asyncpg_dsn_of
@@ -27,6 +28,10 @@ from tests.support import GatewayProcess, RecordingUpstream, eventually, write_c
 from tests.support.gateway import GatewayLauncher, RunningGateway
 from tests.support.keyed import assert_replays, keyed_gateway_config, send_keyed
 from tests.support.problems import problem_slug
+
+# Pools held busy until readiness answers: seconds. test_store keeps the store in the fast
+# loop.
+pytestmark = pytest.mark.slow
 
 # Per gateway process: the request path's pool (all of it opened at startup) and the admin
 # paths' pool (never more than two).

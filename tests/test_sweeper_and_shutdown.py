@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import httpx
 import pytest
@@ -37,12 +36,12 @@ from idempotency_gateway.storage.base import Claim, RecordStore
 from idempotency_gateway.storage.postgres_sql import SWEEP_LOCK_ID
 from idempotency_gateway.storage.records import RecordKey, Status
 from idempotency_gateway.storage.schema import records
-from tests.support import GatewayProcess, RecordingUpstream, eventually, write_config
+from tests.support import RecordingUpstream, eventually
 from tests.support.charges import CHARGES
 from tests.support.clock import ManualClock
 from tests.support.gateway import unreachable_database_url
 from tests.support.keyed import keyed_gateway_config, record_key, send_keyed
-from tests.support.servers import PROJECT_ROOT
+from tests.support.servers import PROJECT_ROOT, StartGatewayProcess
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.upstream import EXECUTION_HEADER
 
@@ -241,7 +240,7 @@ async def test_sweep_command_fails_clearly_without_a_database() -> None:
 
 @pytest.mark.multiprocess
 async def test_serve_sweeps_expired_records_in_the_background(
-    tmp_path: Path, sqlite_url: str, unique: Callable[[str], str]
+    start_gateway_process: StartGatewayProcess, sqlite_url: str, unique: Callable[[str], str]
 ) -> None:
     # The gateway's own SQLite file: a real-time sweeper every 200 ms must not touch the
     # shared PostgreSQL database, where other tests' records expire on their own clocks.
@@ -252,13 +251,11 @@ async def test_serve_sweeps_expired_records_in_the_background(
     clock.now = datetime.now(UTC)
     live = await write_records(store, [unique("live")], ttl=LONG_TTL)
     config = keyed_gateway_config("http://127.0.0.1:9", sweeper={"interval": "200ms"})
-    gateway = GatewayProcess(
-        write_config(tmp_path, config.model_dump(mode="json")),
-        env={"GATEWAY_DATABASE_URL": sqlite_url},
-        log_dir=tmp_path,
-    )
     try:
-        async with gateway, httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        gateway = await start_gateway_process(
+            config.model_dump(mode="json"), env={"GATEWAY_DATABASE_URL": sqlite_url}
+        )
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
 
             async def swept() -> bool:
                 return await present(store, expired) == []
@@ -293,19 +290,17 @@ async def connection_refused(host: str, port: int) -> bool:
 
 @pytest.mark.multiprocess
 async def test_sigterm_finishes_the_slow_request_and_exits_cleanly(
-    tmp_path: Path, postgres_url: str, unique: Callable[[str], str]
+    start_gateway_process: StartGatewayProcess, postgres_url: str, unique: Callable[[str], str]
 ) -> None:
     key = unique("shutdown")
     async with RecordingUpstream() as upstream:
-        gateway = GatewayProcess(
-            write_config(tmp_path, keyed_gateway_config(upstream.url).model_dump(mode="json")),
-            env={"GATEWAY_DATABASE_URL": postgres_url},
-            log_dir=tmp_path,
-        )
         store = open_store(postgres_url, StoreConfig())
         try:
             async with httpx.AsyncClient(timeout=20.0, trust_env=False) as client:
-                await gateway.start()
+                gateway = await start_gateway_process(
+                    keyed_gateway_config(upstream.url).model_dump(mode="json"),
+                    env={"GATEWAY_DATABASE_URL": postgres_url},
+                )
                 slow = asyncio.create_task(
                     send_keyed(client, key, path=gateway.url + CHARGES, behavior="gate=slow")
                 )
@@ -337,9 +332,7 @@ async def test_sigterm_finishes_the_slow_request_and_exits_cleanly(
             assert record.response.body == answer.content
             assert upstream.count(key) == 1
         finally:
-            await gateway.stop()
             await store.close()
-            print(f"--- gateway log tail ---\n{gateway.log_tail()}")
 
 
 # ----------------------------------------------------------------------------- migrate

@@ -12,6 +12,7 @@ has no upstream span, that a request sampled out opens no span at all (and sends
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import textwrap
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
@@ -39,27 +41,46 @@ CALLER_SPAN_ID = "00f067aa0ba902b7"
 CALLER_TRACEPARENT = f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01"
 
 
-def traced_config(upstream_url: str) -> GatewayConfig:
+def traced_config(upstream_url: str, **overrides: Any) -> GatewayConfig:
     return keyed_gateway_config(
         upstream_url,
         # Two attempts, the pause between them a few milliseconds.
         retry={"max_attempts": 2, "base": "5ms", "cap": "5ms"},
         tracing={"enabled": True, "service_name": SERVICE, "sample_ratio": 1.0},
+        **overrides,
     )
+
+
+@contextlib.asynccontextmanager
+async def traced_gateway(
+    config: GatewayConfig, postgres_url: str, redis_url: str
+) -> AsyncIterator[tuple[RunningGateway, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    async with running_gateway(
+        config,
+        database_url=postgres_url,
+        redis_url=redis_url,
+        span_processor=SimpleSpanProcessor(exporter),
+    ) as gateway:
+        yield gateway, exporter
 
 
 @pytest.fixture
 async def traced(
     upstream: RecordingUpstream, postgres_url: str, redis_url: str
 ) -> AsyncIterator[tuple[RunningGateway, InMemorySpanExporter]]:
-    exporter = InMemorySpanExporter()
-    async with running_gateway(
-        traced_config(upstream.url),
-        database_url=postgres_url,
-        redis_url=redis_url,
-        span_processor=SimpleSpanProcessor(exporter),
-    ) as gateway:
-        yield gateway, exporter
+    async with traced_gateway(traced_config(upstream.url), postgres_url, redis_url) as running:
+        yield running
+
+
+@pytest.fixture
+async def traced_redis_only(
+    upstream: RecordingUpstream, postgres_url: str, redis_url: str
+) -> AsyncIterator[tuple[RunningGateway, InMemorySpanExporter]]:
+    """No copies in the process (``cache.max_entries: 0``): every replay asks Redis."""
+    config = traced_config(upstream.url, cache={"max_entries": 0})
+    async with traced_gateway(config, postgres_url, redis_url) as running:
+        yield running
 
 
 def trace_id(span: ReadableSpan) -> str:
@@ -215,9 +236,9 @@ async def test_a_callers_traceparent_is_continued_and_replaced_upstream(
 
 
 async def test_a_replay_is_answered_from_the_cache_with_no_upstream_span(
-    traced: tuple[RunningGateway, InMemorySpanExporter], upstream: RecordingUpstream
+    traced_redis_only: tuple[RunningGateway, InMemorySpanExporter], upstream: RecordingUpstream
 ) -> None:
-    gateway, exporter = traced
+    gateway, exporter = traced_redis_only
     key = f"trace-{uuid.uuid4()}"
     first = await send_keyed(gateway.client, key)
     replayed = await send_keyed(gateway.client, key)
@@ -230,6 +251,24 @@ async def test_a_replay_is_answered_from_the_cache_with_no_upstream_span(
     assert spans[0].attributes is not None
     assert spans[0].attributes["gateway.outcome"] == "replayed"
     assert spans[0].attributes["gateway.attempts"] == 0
+
+
+async def test_a_replay_from_the_process_memory_is_the_server_span_alone(
+    traced: tuple[RunningGateway, InMemorySpanExporter], upstream: RecordingUpstream
+) -> None:
+    """The in-process copy is a dictionary lookup: no cache span, and Redis is not asked."""
+    gateway, exporter = traced
+    key = f"trace-{uuid.uuid4()}"
+    first = await send_keyed(gateway.client, key)
+    replayed = await send_keyed(gateway.client, key)
+    assert first.status_code == replayed.status_code == 201
+    assert is_replay(replayed)
+    assert len(upstream.executions) == 1
+
+    _, spans = await traces(exporter, 2)
+    assert names(spans) == ["POST root"], tree(spans)
+    assert spans[0].attributes is not None
+    assert spans[0].attributes["gateway.outcome"] == "replayed"
 
 
 async def test_a_request_sampled_out_opens_no_span_and_sends_no_traceparent(

@@ -23,6 +23,7 @@ from idempotency_gateway.config import UpstreamConfig
 from idempotency_gateway.errors import (
     UpstreamConnectionLost,
     UpstreamInvalidResponse,
+    UpstreamNeverSent,
     UpstreamNotSent,
     UpstreamRequestRefused,
     UpstreamTimeout,
@@ -204,7 +205,7 @@ async def test_a_field_holding_cr_lf_or_nul_is_refused_before_anything_is_sent(
         assert upstream.opened == 0
         status, _, body = await fetch(client)
 
-    assert isinstance(refused.value, UpstreamNotSent)
+    assert isinstance(refused.value, UpstreamNeverSent)
     assert refused.value.retryable is False
     assert (status, body) == (200, b"ok")
     assert len(upstream.requests) == 1

@@ -32,6 +32,10 @@ from tests.support.gateway import (
 from tests.support.problems import problem_slug
 from tests.support.raw_upstream import RawUpstream, Received
 
+# TLS handshakes with fresh certificates: seconds. test_upstream_client keeps the
+# plain-text client in the fast loop.
+pytestmark = pytest.mark.slow
+
 ANSWER = b"HTTP/1.1 201 Created\r\nContent-Length: 7\r\n\r\ncharged"
 IN_THE_PAST = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
 

@@ -42,6 +42,9 @@ from tests.support.webhooks import (
     unix_now,
 )
 
+# A gateway per configuration: seconds. test_webhooks keeps the webhooks in the fast loop.
+pytestmark = pytest.mark.slow
+
 SIGNED = {"scheme": "github", "secrets": ["HOOK_SECRET"]}
 
 

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.operations.lifespan import idempotency_lifespan
     from idempotency_gateway.replay.cache import InProcessCache
-    from idempotency_gateway.replay.live_streams import live_streams_for
-    from idempotency_gateway.replay.redis_adapter import connect_redis
+    from idempotency_gateway.replay.live_streams_for import live_streams_for
     from idempotency_gateway.replay.redis_cache import RedisCache
+    from idempotency_gateway.replay.redis_connect import connect_redis
     from idempotency_gateway.storage.backends import open_store
     from idempotency_gateway.storage.base import RecordStore
 
@@ -53,8 +53,8 @@ _HOMES = {
     "open_store": "idempotency_gateway.storage.backends",
     "InProcessCache": "idempotency_gateway.replay.cache",
     "RedisCache": "idempotency_gateway.replay.redis_cache",
-    "connect_redis": "idempotency_gateway.replay.redis_adapter",
-    "live_streams_for": "idempotency_gateway.replay.live_streams",
+    "connect_redis": "idempotency_gateway.replay.redis_connect",
+    "live_streams_for": "idempotency_gateway.replay.live_streams_for",
     "AnonymousPolicy": "idempotency_gateway.config",
     "CacheConfig": "idempotency_gateway.config",
     "IdempotencyConfig": "idempotency_gateway.config",

@@ -599,10 +599,12 @@ class LimitsConfig(_Model):
 
 
 class CacheConfig(_Model):
-    """The replay cache: Redis when ``GATEWAY_REDIS_URL`` is set, else an in-process LRU."""
+    """The replay cache: an in-process LRU of finished answers in each process, in front of
+    Redis when ``GATEWAY_REDIS_URL`` is set (``replay.tiered_cache``)."""
 
     timeout: Duration = 0.05
     max_entry_size: ByteSize = 1024 * 1024
+    # The in-process LRU's bounds, per process; with Redis, 0 entries keeps no copies.
     max_entries: int = Field(10_000, ge=0)
     max_bytes: ByteSize = 64 * 1024 * 1024
 

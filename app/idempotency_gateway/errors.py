@@ -31,10 +31,11 @@ into this tree in one place each: ``proxy`` (its client, connection and pool) an
     ├── LeaseNotConfirmed               the owner could not confirm its lease: nothing sent (503)
     ├── AdminError                      the admin API refuses (its own statuses)
     └── UpstreamError                   the upstream call failed
-        ├── UpstreamNotSent               the request never left, so the key may run again;
-        │   │                               itself: the upstream could not be reached (502)
-        │   ├── CircuitOpen                 the upstream's breaker is open (503, Retry-After)
-        │   ├── DeadlineExhausted           too little time left to try (504)
+        ├── UpstreamNeverSent             the request never left, so the key may run again
+        │   ├── UpstreamNotSent             safe to retry; itself: the upstream could not be
+        │   │   │                             reached (502)
+        │   │   ├── CircuitOpen               the upstream's breaker is open (503, Retry-After)
+        │   │   └── DeadlineExhausted         too little time left to try (504)
         │   └── UpstreamRequestRefused      the gateway would not send it: a field would break
         │                                   the request's framing (500); no retry ends otherwise
         └── UpstreamAmbiguous             sent, but no complete answer came back
@@ -258,9 +259,14 @@ class UpstreamError(GatewayError):
     title = "Upstream error"
 
 
-class UpstreamNotSent(UpstreamError):
+class UpstreamNeverSent(UpstreamError):
     """Nothing of the request left the gateway, so the upstream cannot have acted on it and
-    its key may run again. Retryable unless a subclass says why a retry would fail alike."""
+    its key may run again. Whether a retry could end otherwise is for each subclass to say."""
+
+
+class UpstreamNotSent(UpstreamNeverSent):
+    """Never sent, for a reason a later attempt may not meet: the upstream could not be
+    reached (itself), its breaker is open, or too little time was left. Safe to retry."""
 
     slug = "upstream-unreachable"
     title = "Upstream unreachable"
@@ -285,7 +291,7 @@ class DeadlineExhausted(UpstreamNotSent):
     title = "Request deadline exhausted"
 
 
-class UpstreamRequestRefused(UpstreamNotSent):
+class UpstreamRequestRefused(UpstreamNeverSent):
     """A field the gateway was about to send upstream holds CR, LF or NUL: sending it could
     smuggle a field or a request past the upstream's framing. Nothing was sent; the server
     never lets such bytes in, so this is a gateway bug, and no retry would end differently."""

@@ -49,9 +49,10 @@ from idempotency_gateway.proxy.app import ProxyApp
 from idempotency_gateway.proxy.resilient import ResilientUpstream
 from idempotency_gateway.proxy.upstream_client import UpstreamClient
 from idempotency_gateway.replay.cache import InProcessCache, ReplayCache
-from idempotency_gateway.replay.live_streams import live_streams_for
-from idempotency_gateway.replay.redis_adapter import connect_redis
+from idempotency_gateway.replay.live_streams_for import live_streams_for
 from idempotency_gateway.replay.redis_cache import RedisCache
+from idempotency_gateway.replay.redis_connect import connect_redis
+from idempotency_gateway.replay.tiered_cache import TieredCache
 from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.resilience.breaker import BreakerState
 from idempotency_gateway.resilience.bulkhead import publish_every
@@ -85,7 +86,11 @@ def replay_layer(config: CacheConfig, redis_url: str | None) -> tuple[ReplayCach
         return InProcessCache.sized_by(config), LocalWakeups()
     # One adapter for both: the cache closes it, after the gateway closed the wake-ups.
     redis = connect_redis(redis_url, timeout=config.timeout, connect_timeout=config.timeout)
-    cache = RedisCache(redis, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
+    shared = RedisCache(redis, timeout=config.timeout, max_entry_bytes=config.max_entry_size)
+    # ``max_entries: 0`` keeps no copies in this process: every replay asks Redis.
+    cache: ReplayCache = (
+        TieredCache(InProcessCache.sized_by(config), shared) if config.max_entries else shared
+    )
     return cache, redis.wakeups(timeout=config.timeout)
 
 
@@ -109,8 +114,10 @@ class Gateway:
         config: the validated config file (``load_config``/``validate_config``).
         database_url: the record store; ``None`` is the embedded SQLite file
             (``config.EMBEDDED_DATABASE_URL``), migrated at startup.
-        redis_url: the shared replay cache and wake-ups; ``None`` keeps both in-process
-            (then admin deletes reach other workers through ``CacheInvalidations``).
+        redis_url: the shared replay cache and wake-ups; ``None`` keeps both in-process.
+            Either way each process keeps copies of finished answers of its own (unless
+            ``cache.max_entries`` is 0), which admin deletes reach through
+            ``CacheInvalidations``.
         admin_port: the local port whose connections get the admin app instead of the proxy.
         admin_token: the bearer token of ``/admin/*``; ``None`` turns the operator API off.
         scope_secret: the key of the scope hashes (``resolve_scope_secret`` says what

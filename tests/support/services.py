@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 import redis
 
-from idempotency_gateway.database_url import asyncpg_dsn_of
+from idempotency_gateway.database_url import asyncpg_dsn_of, normalize_database_url
 from idempotency_gateway.migrate import upgrade_to_head
 
 DEFAULT_TEST_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/idempotency_gateway_test"
@@ -110,7 +110,11 @@ def refuse_in_sqlite_only(config: pytest.Config, server: str) -> None:
 @pytest.fixture(scope="session")
 def postgres_url(request: pytest.FixtureRequest) -> str:
     refuse_in_sqlite_only(request.config, "PostgreSQL")
-    url = os.environ.get("GATEWAY_TEST_DATABASE_URL", DEFAULT_TEST_DATABASE_URL)
+    # In the driver-explicit form the tests' own SQLAlchemy engines need: a plain
+    # ``postgresql://`` would make SQLAlchemy reach for psycopg, which is not installed.
+    url = normalize_database_url(
+        os.environ.get("GATEWAY_TEST_DATABASE_URL", DEFAULT_TEST_DATABASE_URL)
+    )
     upgrade_to_head(url)
     return url
 

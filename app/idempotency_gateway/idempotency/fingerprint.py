@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -135,6 +136,50 @@ def canonical_json(content_type: bytes, body: bytes) -> bytes | None:
         return None
 
 
+class CanonicalMemo:
+    """The canonical forms of the JSON bodies seen lately, by the SHA-256 of their bytes.
+
+    A retry sends the very bytes of its first request: its canonical form is the one already
+    worked out, found for the cost of hashing the body (about a tenth of parsing and
+    rewriting it). It is a memo, not a second function: what it returns is what
+    ``canonical_json`` returned for those bytes, so every fingerprint stays what it was.
+    Bounded by entries and by the bytes it holds; bodies up to ``max_body`` only, which are
+    fingerprinted on the event loop (``OFFLOAD_ABOVE``), so no worker thread touches it."""
+
+    def __init__(self, *, max_entries: int, max_body: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_body = max_body
+        self.max_bytes = max_bytes
+        self._forms: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self._bytes = 0
+
+    def canonical_json(self, content_type: bytes, body: bytes) -> bytes | None:
+        if len(body) > self.max_body or not body or not _is_json(content_type):
+            return canonical_json(content_type, body)
+        name = hashlib.sha256(body).digest()
+        if name in self._forms:
+            self._forms.move_to_end(name)
+            return self._forms[name]
+        form = canonical_json(content_type, body)
+        self._forms[name] = form
+        self._bytes += len(form or b"")
+        while len(self._forms) > self.max_entries or self._bytes > self.max_bytes:
+            self._bytes -= len(self._forms.popitem(last=False)[1] or b"")
+        return form
+
+    def __len__(self) -> int:
+        return len(self._forms)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+
+# A few MiB at most per process: 4,096 bodies of up to 4 KiB (under ``OFFLOAD_ABOVE``), 4 MiB
+# of canonical forms in all.
+_memo = CanonicalMemo(max_entries=4096, max_body=4096, max_bytes=4 * 1024 * 1024)
+
+
 def _query_fields(query_string: bytes) -> list[tuple[bytes, bytes | None]]:
     """The query's fields, percent-decoded to bytes and ordered by name only.
 
@@ -217,7 +262,9 @@ def request_hash(
         for value in values:
             _field(digest, value)
     canonical = (
-        canonical_json(content_type, body) if plain and len(body) <= max_canonical_body else None
+        _memo.canonical_json(content_type, body)
+        if plain and len(body) <= max_canonical_body
+        else None
     )
     # Tagged, so a canonical form never equals a body compared as bytes.
     _field(digest, b"bytes" if canonical is None else b"json")

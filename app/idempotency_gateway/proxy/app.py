@@ -25,7 +25,7 @@ from idempotency_gateway.errors import (
     NoRouteMatched,
     UpstreamAmbiguous,
     UpstreamError,
-    UpstreamNotSent,
+    UpstreamNeverSent,
 )
 from idempotency_gateway.execution import Outcome, execution_of
 from idempotency_gateway.problems import send_problem
@@ -101,7 +101,7 @@ class ProxyApp:
 
     def _report(self, scope: Scope, error: UpstreamError) -> None:
         """Tell the idempotency layer whether the request left."""
-        not_sent = isinstance(error, UpstreamNotSent)
+        not_sent = isinstance(error, UpstreamNeverSent)
         if not_sent:
             note_outcome(scope, RequestOutcome.NOT_EXECUTED)
         execution = execution_of(scope)

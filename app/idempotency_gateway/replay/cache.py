@@ -197,14 +197,18 @@ class InProcessCache:
         return self._bytes
 
     async def get(self, key: RecordKey) -> CachedAnswer | None:
+        answer = self.lookup(key)
+        cache_lookups("miss" if answer is None else "hit").inc()
+        return answer
+
+    def lookup(self, key: RecordKey) -> CachedAnswer | None:
+        """The live entry, uncounted: for a cache in front of another, which counts once."""
         answer = self._entries.get(key)
-        if answer is not None and not answer.is_live(self._monotonic()):
-            self._remove(key)
-            answer = None
         if answer is None:
-            cache_lookups("miss").inc()
             return None
-        cache_lookups("hit").inc()
+        if not answer.is_live(self._monotonic()):
+            self._remove(key)
+            return None
         self._entries.move_to_end(key)
         return answer
 

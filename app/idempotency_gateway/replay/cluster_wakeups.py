@@ -23,16 +23,12 @@ import itertools
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from idempotency_gateway.replay.redis_adapter import RedisUnavailable
-from idempotency_gateway.replay.wakeups import PublishedWakeups
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
+from idempotency_gateway.replay.wakeups import PublishedWakeups, Publisher
 from idempotency_gateway.resilience.backoff import full_jitter
 
 if TYPE_CHECKING:
-    from idempotency_gateway.replay.redis_adapter import (
-        ClusterTopology,
-        RedisAdapter,
-        Subscription,
-    )
+    from idempotency_gateway.replay.redis_pubsub import ClusterTopology, Subscription
 
 # The first rebuild of a broken listener comes within a tenth of a second (a blip costs
 # little); a primary that stays dead is asked at most every few seconds.
@@ -125,9 +121,7 @@ class PrimaryListener:
 class ClusterWakeups(PublishedWakeups):
     """Wake-ups on a cluster: sharded channels, a listener per primary."""
 
-    def __init__(
-        self, *, publisher: RedisAdapter, topology: ClusterTopology, timeout: float
-    ) -> None:
+    def __init__(self, *, publisher: Publisher, topology: ClusterTopology, timeout: float) -> None:
         super().__init__(publisher=publisher, timeout=timeout)
         self.topology = topology
         self.listeners: dict[str, PrimaryListener] = {}

@@ -168,13 +168,3 @@ class LocalLiveStreams:
         for stream in list(self._streams.values()):
             stream.end(StreamEnd.CUT)
         self._streams.clear()
-
-
-def live_streams_for(redis_url: str | None) -> LiveStreams:
-    """Through Redis when the gateway has one, else within this process."""
-    if redis_url is None:
-        return LocalLiveStreams()
-    # Imported here: only a gateway with a Redis URL needs redis-py.
-    from idempotency_gateway.replay.redis_live_streams import redis_live_streams
-
-    return redis_live_streams(redis_url)

@@ -1,76 +1,51 @@
-"""``RedisAdapter``: all the cache and the wake-ups ask of Redis, on one node or a cluster.
+"""``RedisAdapter``: all the cache, the wake-ups and the live streams ask of Redis, on one node
+or a cluster.
 
-``connect_redis`` builds it once from the URL, and that is the only place where one node and
-a cluster part ways: a single node (``redis_node``) sends its GET and SET + PUBLISH past
-redis-py's per-call layers and listens on one pub/sub connection; a cluster
-(``redis_cluster``) routes by slot, publishes on sharded channels and listens on one
+``connect_redis`` (``redis_connect``) builds it once from the URL, and that is the only place
+where one node and a cluster part ways: a single node (``redis_node``) sends its GET and
+SET + PUBLISH past redis-py's per-call layers and listens on one pub/sub connection; a
+cluster (``redis_cluster``) routes by slot, publishes on sharded channels and listens on one
 connection per primary. Neither the cache nor the wake-ups look at a client's type.
 
 Errors translate once, at the adapter's edge (``redis_connection.redis_failures``): what
 means "Redis failed" (redis-py's errors, socket errors, timeouts, a connection torn down under
-a command) leaves it as ``RedisUnavailable``, which callers turn into a miss; anything else is
-a bug and is raised as it is.
+a command) leaves it as ``RedisUnavailable`` (``redis_unavailable``), which callers turn into
+a miss; anything else is a bug and is raised as it is.
 
-redis-py is imported only when an adapter is built: the in-process cache and wake-ups, and
-the gateway without ``GATEWAY_REDIS_URL``, run without it installed.
+This module imports neither redis-py nor an implementation: it is what the cache and the
+wake-ups are written against.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
-
-from idempotency_gateway.extras import require_redis
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from idempotency_gateway.replay.wakeups import PublishedWakeups
 
 _CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
 
-
-class RedisUnavailable(Exception):
-    """Redis is down, slow, refusing, or dropped a connection under a command. Redis never
-    decides, so this never reaches a client: a cache miss, a wake-up left to the store."""
-
-
-class Subscription(Protocol):
-    """One pub/sub connection's channels (sharded ones on a cluster's primary)."""
-
-    async def subscribe(self, *channels: str) -> None: ...
-
-    async def unsubscribe(self, channel: str) -> None: ...
-
-    async def next_wakeup(self, timeout: float | None) -> str | None:  # noqa: ASYNC109
-        """The channel of the next wake-up message; ``None`` when ``timeout`` passed first."""
-        ...
-
-    async def close(self) -> None: ...
+# A stream entry's fields, and a stream's entries with their ids, as Redis sends them.
+Fields = dict[bytes, bytes]
+Entries = list[tuple[bytes, Fields]]
 
 
-class Subscriber(Protocol):
-    """A node to listen on, with a connection of its own: its reads block for long."""
-
-    def subscription(self) -> Subscription: ...
-
-    async def close(self) -> None: ...
-
-
-class ClusterTopology(Protocol):
-    """Which primary serves which channel, as the cluster's slot map says."""
-
-    async def read_slot_map(self) -> None: ...
-
-    def primary_of(self, channel: str) -> str | None:
-        """``host:port`` of the primary serving ``channel``'s slot; ``None`` when none is
-        known to (``RedisUnavailable`` when no known node serves the slot)."""
-        ...
-
-    def subscriber(self, primary: str) -> Subscriber: ...
+class StreamAppend(NamedTuple):
+    stream: str
+    entry_id: str
+    fields: Fields
+    # The stream is deleted before this entry (a new owner's first: see ``redis_appends``).
+    replace: bool = False
 
 
 class RedisAdapter(Protocol):
     async def get(self, name: str) -> object:
         """The value as Redis sent it: ``bytes``, or ``None`` when there is none."""
+        ...
+
+    async def get_with_ttl(self, name: str) -> tuple[object, object]:
+        """The value and its remaining life in milliseconds (PTTL), in one round trip."""
         ...
 
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
@@ -87,6 +62,22 @@ class RedisAdapter(Protocol):
         """What readiness reports: ``ping`` is the cache's own, under its breaker."""
         ...
 
+    async def append_to_streams(
+        self, appends: Sequence[StreamAppend], *, expiries: Mapping[str, int]
+    ) -> None:
+        """XADD each entry and EXPIRE each stream (seconds), pipelined in one round trip; an
+        entry whose id the stream already holds is left as it is."""
+        ...
+
+    async def first_entry(self, stream: str) -> Entries:
+        """XRANGE COUNT 1: the stream's first entry, if it has one."""
+        ...
+
+    async def read_stream(self, stream: str, after: bytes, *, count: int, block_ms: int) -> Entries:
+        """XREAD BLOCK: up to ``count`` entries after ``after``, waiting up to ``block_ms``
+        for one (none when it passed), on a connection of its own whose reads may wait."""
+        ...
+
     def wakeups(self, *, timeout: float) -> PublishedWakeups:
         """Wake-ups across processes, listening the way this deployment needs."""
         ...
@@ -100,18 +91,3 @@ def is_cluster_url(url: str) -> bool:
 
 def uses_tls(cluster_url: str) -> bool:
     return _CLUSTER_SCHEMES[cluster_url.partition("://")[0].lower()]
-
-
-def connect_redis(url: str, *, timeout: float | None, connect_timeout: float) -> RedisAdapter:
-    """The adapter for ``url`` (``redis://``, ``rediss://``, ``unix://``, or
-    ``redis+cluster://`` / ``rediss+cluster://``, see ``redis_connection``). ``timeout`` bounds
-    each command's socket reads (``None``: none); pub/sub connections never have one."""
-    # Imported here: building an adapter is what needs redis-py.
-    require_redis()
-    if is_cluster_url(url):
-        from idempotency_gateway.replay.redis_cluster import ClusterRedis
-
-        return ClusterRedis.from_url(url, timeout=timeout, connect_timeout=connect_timeout)
-    from idempotency_gateway.replay.redis_node import NodeRedis
-
-    return NodeRedis.from_url(url, timeout=timeout, connect_timeout=connect_timeout)

@@ -18,13 +18,12 @@ import contextlib
 from dataclasses import dataclass, field
 
 from idempotency_gateway.clock import Monotonic, monotonic
-from idempotency_gateway.replay.redis_connection import FAILED_CALL, RedisClient
+from idempotency_gateway.replay.redis_adapter import Fields, RedisAdapter, StreamAppend
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 # After a failed batch: Redis is away or overloaded, and asking at once would not help.
 _RETRY_PAUSE = 0.2
-
-Fields = dict[bytes, bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +41,7 @@ class Append:
 class Appender:
     def __init__(
         self,
-        redis: RedisClient,
+        redis: RedisAdapter,
         *,
         timeout: float,
         degradation: DegradationLog,
@@ -81,18 +80,15 @@ class Appender:
             batch = []
 
     async def _send(self, batch: list[Append]) -> bool:
-        pipe = self._redis.pipeline(transaction=False)
-        for entry in batch:
-            if entry.first:
-                pipe.delete(entry.stream)
-            pipe.xadd(entry.stream, entry.fields, id=entry.entry_id)  # type: ignore[arg-type]
-        for stream, idle in {entry.stream: entry.idle for entry in batch}.items():
-            pipe.expire(stream, max(round(idle), 1))
+        appends = [
+            StreamAppend(entry.stream, entry.entry_id, entry.fields, replace=entry.first)
+            for entry in batch
+        ]
+        expiries = {entry.stream: max(round(entry.idle), 1) for entry in batch}
         try:
             async with asyncio.timeout(self._timeout):
-                # An entry Redis already holds answers an error: it is there, as it should be.
-                await pipe.execute(raise_on_error=False)
-        except FAILED_CALL as exc:
+                await self._redis.append_to_streams(appends, expiries=expiries)
+        except (RedisUnavailable, TimeoutError) as exc:
             self._degradation.failed(exc)
             return False
         return True

@@ -29,7 +29,9 @@ from idempotency_gateway.replay.cache import (
     decode,
     encode,
 )
-from idempotency_gateway.replay.redis_adapter import RedisAdapter, RedisUnavailable
+from idempotency_gateway.replay.redis_adapter import RedisAdapter
+from idempotency_gateway.replay.redis_deadline import RedisDeadline
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 from idempotency_gateway.replay.wakeups import channel_for
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.storage.records import RecordKey
@@ -81,7 +83,7 @@ class RedisCache:
         return self.breaker.state is not BreakerState.CLOSED
 
     async def _guarded(self, operation: str, call: Callable[[], Awaitable[T]]) -> T | _Failed:
-        """Run one Redis call under the breaker and a timeout; a failure is a value, never an
+        """Run one Redis call under the breaker and a deadline; a failure is a value, never an
         exception, because the cache must never fail a request."""
         span = tracing.cache_span(operation)
         try:
@@ -93,17 +95,19 @@ class RedisCache:
             return FAILED
         started = time.perf_counter()
         succeeded = False
+        deadline = RedisDeadline(self.timeout)
         try:
-            async with asyncio.timeout(self.timeout):
-                result = await call()
+            result = await call()
             succeeded = True
+        except asyncio.CancelledError:
+            if not deadline.expired():
+                raise
+            return self._failed(TimeoutError("Redis did not answer in time"), span)
         # Redis failing is a miss, never a 500; any other exception is a bug, and is raised.
-        except (RedisUnavailable, TimeoutError) as exc:
-            self.degradation.failed(exc)
-            if span is not None:
-                span.fail(exc)
-            return FAILED
+        except RedisUnavailable as exc:
+            return self._failed(exc, span)
         finally:
+            deadline.cancel()
             _cache_latency(operation).observe(time.perf_counter() - started)
             # Every admitted call reports, cancelled ones too: a half-open probe that never
             # reported would hold the breaker's only permit and refuse Redis for good. A
@@ -113,13 +117,35 @@ class RedisCache:
                 span.end()
         return result
 
+    def _failed(self, exc: Exception, span: tracing.Span | None) -> _Failed:
+        self.degradation.failed(exc)
+        if span is not None:
+            span.fail(exc)
+        return FAILED
+
     async def get(self, key: RecordKey) -> CachedAnswer | None:
         raw = await self._guarded("get", lambda: self.redis.get(cache_key(key)))
+        # Redis's own TTL had the entry live when it answered, and it is served at once.
+        return self._answer(key, raw, expires_at=self._monotonic())
+
+    async def get_with_expiry(self, key: RecordKey) -> CachedAnswer | None:
+        """The entry with the life Redis had left for it, for a copy kept after this request
+        (``TieredCache``): one round trip, GET and PTTL together."""
+        asked_at = self._monotonic()
+        reply = await self._guarded("get", lambda: self.redis.get_with_ttl(cache_key(key)))
+        if isinstance(reply, _Failed):
+            return self._answer(key, reply, expires_at=asked_at)
+        raw, ttl_ms = reply
+        # PTTL answers -1 (no TTL) or -2 (gone) in its own right: never a copy to keep alive.
+        life = ttl_ms / 1000 if isinstance(ttl_ms, int) and ttl_ms > 0 else 0.0
+        # Counted from before the GET was sent: the copy dies no later than Redis's entry.
+        return self._answer(key, raw, expires_at=asked_at + life)
+
+    def _answer(self, key: RecordKey, raw: object, *, expires_at: float) -> CachedAnswer | None:
         if raw is FAILED:
             cache_lookups("error").inc()
             return None
-        # Redis's own TTL had the entry live when it answered, and it is served at once.
-        answer = decode(raw, key, expires_at=self._monotonic()) if isinstance(raw, bytes) else None
+        answer = decode(raw, key, expires_at=expires_at) if isinstance(raw, bytes) else None
         if raw is not None and answer is None:
             self.degradation.failed(ValueError("unreadable cache entry, ignored"))
         if answer is None:

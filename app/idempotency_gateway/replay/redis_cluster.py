@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import RedisCluster
 
 from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
-from idempotency_gateway.replay.redis_adapter import RedisUnavailable
+from idempotency_gateway.replay.redis_commands import CommandClient
 from idempotency_gateway.replay.redis_connection import (
-    CommandClient,
     NodeSubscriber,
     cluster_client,
     redis_failures,
 )
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 
 
 class SlotMap:
@@ -54,8 +54,10 @@ class SlotMap:
 
 
 class ClusterRedis(CommandClient):
-    def __init__(self, commands: RedisCluster, topology: RedisCluster) -> None:
-        super().__init__(commands)
+    def __init__(
+        self, commands: RedisCluster, topology: RedisCluster, reader: RedisCluster
+    ) -> None:
+        super().__init__(commands, reader)
         self._client: RedisCluster = commands
         self._slot_map = SlotMap(topology)
 
@@ -64,11 +66,20 @@ class ClusterRedis(CommandClient):
         return cls(
             cluster_client(url, timeout=timeout, connect_timeout=connect_timeout),
             cluster_client(url, timeout=None, connect_timeout=connect_timeout),
+            cluster_client(url, timeout=None, connect_timeout=connect_timeout),
         )
 
     async def get(self, name: str) -> object:
         with redis_failures():
             return await self._client.get(name)
+
+    async def get_with_ttl(self, name: str) -> tuple[object, object]:
+        with redis_failures():
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.get(name)
+                pipe.pttl(name)
+                value, ttl_ms = await pipe.execute()
+        return value, ttl_ms
 
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
         with redis_failures():
@@ -113,3 +124,4 @@ class ClusterRedis(CommandClient):
         with redis_failures():
             await self._client.aclose()
         await self._slot_map.close()
+        await self.close_reader()

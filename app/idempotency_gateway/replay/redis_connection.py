@@ -24,7 +24,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
-from idempotency_gateway.replay.redis_adapter import RedisUnavailable, is_cluster_url, uses_tls
+from idempotency_gateway.replay.redis_adapter import uses_tls
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 
 # What a Redis call raises when Redis is down, slow, refusing or killed mid-call: redis-py's
 # own errors (``RedisClusterException`` is not a ``RedisError``: a slot no live node covers),
@@ -108,21 +109,6 @@ def cluster_client(url: str, *, timeout: float | None, connect_timeout: float) -
     )
 
 
-class CommandClient:
-    """The commands one node and a cluster send alike, through the client's own methods."""
-
-    def __init__(self, client: Redis | RedisCluster) -> None:
-        self._client = client
-
-    async def delete(self, name: str) -> None:
-        with redis_failures():
-            await self._client.delete(name)
-
-    async def ping(self) -> bool:
-        with redis_failures():
-            return bool(await self._client.ping())
-
-
 class PubSubSubscription:
     """Channels on one pub/sub connection: classic ones on a single node, sharded ones
     (SSUBSCRIBE) on a cluster's primary."""
@@ -179,14 +165,3 @@ class NodeSubscriber:
     async def close(self) -> None:
         with redis_failures():
             await self._client.aclose()
-
-
-RedisClient = Redis | RedisCluster
-
-
-def redis_client(url: str, *, timeout: float | None, connect_timeout: float) -> RedisClient:
-    """A redis-py client for the commands the adapter does not offer (the live streams'
-    XADD, XRANGE and XREAD), one node or a cluster as the URL says."""
-    if is_cluster_url(url):
-        return cluster_client(url, timeout=timeout, connect_timeout=connect_timeout)
-    return node_client(url, timeout=timeout, connect_timeout=connect_timeout)

@@ -21,6 +21,11 @@ command, and closes the idle ones too, so a Redis that restarted costs one failu
 per connection the busiest moment left idle. (``cache.decode`` also checks that an entry
 names the key it was asked for.)
 A Redis Cluster keeps the full client, which routes by slot.
+
+Writes of one loop iteration go together (``run_batched``): the SET + PUBLISH of many
+requests finalized at once are one pipeline, one write and one read of all the replies, sent
+once the iteration's other callbacks had their turn. The first caller of an iteration sends
+the batch; the others wait for their replies. At most ``MAX_BATCH`` calls share a pipeline.
 """
 
 from __future__ import annotations
@@ -38,6 +43,15 @@ Command = Sequence[EncodableT]
 
 MAX_IDLE = 8
 IDLE_TIMEOUT = 30.0
+MAX_BATCH = 64
+
+
+class BatchFailed(ConnectionError):
+    """The caller that was sending a batch failed or was cancelled first: the other callers'
+    commands may or may not have reached Redis, as with any call that fails under way."""
+
+
+_Waiter = tuple[tuple["Command", ...], "asyncio.Future[list[Any]] | None"]
 
 
 class DirectCommands:
@@ -52,6 +66,9 @@ class DirectCommands:
         self._idle: list[tuple[AbstractConnection, float]] = []
         self._reaper: asyncio.TimerHandle | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        # The batch this loop iteration is gathering: the sender's own commands first (no
+        # future: it reads its replies itself), then each other caller's with its future.
+        self._batch: list[_Waiter] | None = None
 
     @property
     def idle(self) -> int:
@@ -80,6 +97,37 @@ class DirectCommands:
             raise
         self._keep(connection)
         return replies
+
+    async def run_batched(self, *commands: Command) -> list[Any]:
+        """The replies to ``commands``, sent in one pipeline with every other batched call of
+        this loop iteration."""
+        loop = asyncio.get_running_loop()
+        if self._batch is not None and len(self._batch) < MAX_BATCH:
+            future: asyncio.Future[list[Any]] = loop.create_future()
+            self._batch.append((commands, future))
+            return await future
+        batch: list[_Waiter] = [(commands, None)]
+        self._batch = batch
+        try:
+            try:
+                # Every callback already due runs first: the requests finalized alongside
+                # this one join the batch meanwhile.
+                await _next_iteration(loop)
+            finally:
+                if self._batch is batch:
+                    self._batch = None
+            replies = await self.run(*(command for sent, _ in batch for command in sent))
+        except BaseException as exc:
+            for _, waiter in batch[1:]:
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(BatchFailed(f"the batch's sender failed: {exc!r}"))
+            raise
+        start = len(commands)
+        for sent, waiter in batch[1:]:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(replies[start : start + len(sent)])
+            start += len(sent)
+        return replies[: len(commands)]
 
     def _from_pool(self) -> AbstractConnection:
         connection: AbstractConnection = self._pool.get_available_connection()  # type: ignore[no-untyped-call]
@@ -130,3 +178,15 @@ class DirectCommands:
         await self._close([connection for connection, _ in idle])
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _next_iteration(loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    """Done once the callbacks due now have run (``loop.call_soon``)."""
+    future: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(_wake, future)
+    return future
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():  # the waiting caller was cancelled meanwhile
+        future.set_result(None)

@@ -5,8 +5,9 @@ refreshing the stream's expiry (``idle``). Its appends go to the process's ``App
 which sends every stream's waiting entries in one pipelined round trip, so Redis never sets
 the owner's pace; what waits is bounded by the stream's own cap (the route's
 ``max_stored_body``), as the owner's captured answer is. A follower reads the entries from
-the head on and then blocks for new ones (XREAD BLOCK), a batch at a time, on a client of
-its own whose reads may wait.
+the head on and then blocks for new ones (XREAD BLOCK), a batch at a time, on the adapter's
+connection whose reads may wait. Redis is reached only through a ``RedisAdapter`` of the live
+streams' own, one node or a cluster alike.
 
 Fail soft, as the replay cache does: Redis down means no follower finds the stream (a 409,
 as without the feature) or a follower's stream is cut; the owner's answer never notices.
@@ -18,7 +19,6 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncGenerator
-from typing import Any, cast
 
 import orjson
 
@@ -29,8 +29,10 @@ from idempotency_gateway.replay.live_streams import (
     StreamHead,
     stream_name,
 )
-from idempotency_gateway.replay.redis_appends import Appender, Fields
-from idempotency_gateway.replay.redis_connection import FAILED_CALL, RedisClient, redis_client
+from idempotency_gateway.replay.redis_adapter import Fields, RedisAdapter
+from idempotency_gateway.replay.redis_appends import Appender
+from idempotency_gateway.replay.redis_connect import connect_redis
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
@@ -46,18 +48,6 @@ _HEAD, _EVENT, _END = b"h", b"e", b"x"
 # with entries numbered from the start, and the ones past that point would otherwise
 # reach those followers as the rest of the first execution's answer.
 _WRITER = b"w"
-
-Entries = list[tuple[bytes, Fields]]
-
-
-def _entries(reply: Any) -> Entries:
-    """XRANGE's entries, raw bytes: the client decodes none."""
-    return cast(Entries, reply)
-
-
-def _read_entries(reply: Any) -> Entries:
-    """XREAD's entries of its one stream (none when the read timed out)."""
-    return _entries(reply[0][1]) if reply else []
 
 
 def _encode_head(head: StreamHead) -> bytes:
@@ -120,7 +110,7 @@ class _RedisPublisher:
 class _RedisFollower:
     def __init__(
         self,
-        reader: RedisClient,
+        redis: RedisAdapter,
         name: str,
         after: bytes,
         head: StreamHead,
@@ -130,19 +120,17 @@ class _RedisFollower:
     ) -> None:
         self.head = head
         self.ended = StreamEnd.CUT
-        self._reader, self._name, self._after, self._idle = reader, name, after, idle
+        self._redis, self._name, self._after, self._idle = redis, name, after, idle
         self._writer = writer
 
     async def events(self) -> AsyncGenerator[bytes]:
         after = self._after
         while True:
             try:
-                entries = _read_entries(
-                    await self._reader.xread(
-                        {self._name: after}, count=_FOLLOW_BATCH, block=int(self._idle * 1000)
-                    )
+                entries = await self._redis.read_stream(
+                    self._name, after, count=_FOLLOW_BATCH, block_ms=int(self._idle * 1000)
                 )
-            except FAILED_CALL:
+            except RedisUnavailable:
                 return
             if not entries:
                 return  # idle for too long: cut
@@ -160,10 +148,10 @@ class _RedisFollower:
 class RedisLiveStreams:
     """Live streams every gateway process sharing the Redis can follow."""
 
-    def __init__(self, *, redis: RedisClient, reader: RedisClient, timeout: float) -> None:
-        """``redis``: quick calls (appends, the first look); ``reader``: followers' blocking
-        reads, on a client with no socket timeout."""
-        self.redis, self.reader, self.timeout = redis, reader, timeout
+    def __init__(self, *, redis: RedisAdapter, timeout: float) -> None:
+        """``redis``: an adapter of their own, closed with them; its quick calls (appends, the
+        first look) under ``timeout``, followers' reads on its blocking connection."""
+        self.redis, self.timeout = redis, timeout
         self.degradation = DegradationLog("Redis live streams", fallback="duplicates get a 409")
         self.appender = Appender(redis, timeout=timeout, degradation=self.degradation)
 
@@ -180,8 +168,8 @@ class RedisLiveStreams:
         name = stream_name(key)
         try:
             async with asyncio.timeout(self.timeout):
-                first = _entries(await self.redis.xrange(name, count=1))
-        except FAILED_CALL as exc:
+                first = await self.redis.first_entry(name)
+        except (RedisUnavailable, TimeoutError) as exc:
             self.degradation.failed(exc)
             return None
         if not first:
@@ -191,21 +179,18 @@ class RedisLiveStreams:
         if head is None or head.request_hash != request_hash:
             return None
         return _RedisFollower(
-            self.reader, name, entry_id, head, writer=fields.get(_WRITER), idle=idle
+            self.redis, name, entry_id, head, writer=fields.get(_WRITER), idle=idle
         )
 
     async def close(self) -> None:
         # Appends still waiting go out: followers in other processes get their end.
         await self.appender.close()
-        for client in (self.redis, self.reader):
-            with contextlib.suppress(*FAILED_CALL):
-                await client.aclose()
+        with contextlib.suppress(RedisUnavailable):
+            await self.redis.close()
 
 
 def redis_live_streams(redis_url: str) -> RedisLiveStreams:
     timeout = LIVE_STREAM_TIMEOUT
     return RedisLiveStreams(
-        redis=redis_client(redis_url, timeout=timeout, connect_timeout=timeout),
-        reader=redis_client(redis_url, timeout=None, connect_timeout=timeout),
-        timeout=timeout,
+        redis=connect_redis(redis_url, timeout=timeout, connect_timeout=timeout), timeout=timeout
     )

@@ -18,12 +18,12 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from idempotency_gateway.replay.cache import cache_key
-from idempotency_gateway.replay.redis_adapter import RedisUnavailable
+from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.degradation import DegradationLog
 
 if TYPE_CHECKING:
-    from idempotency_gateway.replay.redis_adapter import RedisAdapter, Subscriber, Subscription
+    from idempotency_gateway.replay.redis_pubsub import Subscriber, Subscription
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,12 @@ class Wakeups(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class Publisher(Protocol):
+    """All the wake-ups ask of the Redis commands connection: one publish."""
+
+    async def publish(self, channel: str) -> None: ...
 
 
 class LocalWakeups:
@@ -110,7 +116,7 @@ class PublishedWakeups(LocalWakeups):
     """Local wake-ups plus a publish on Redis for the waiters in other processes; how they
     listen is up to the subclass (one node, or a cluster's primaries)."""
 
-    def __init__(self, *, publisher: RedisAdapter, timeout: float) -> None:
+    def __init__(self, *, publisher: Publisher, timeout: float) -> None:
         super().__init__()
         self.publisher = publisher
         self.timeout = timeout
@@ -142,7 +148,7 @@ class RedisWakeups(PublishedWakeups):
     """Wake-ups on one Redis node: one pub/sub connection, subscribed only to the keys this
     process waits for."""
 
-    def __init__(self, *, publisher: RedisAdapter, subscriber: Subscriber, timeout: float) -> None:
+    def __init__(self, *, publisher: Publisher, subscriber: Subscriber, timeout: float) -> None:
         super().__init__(publisher=publisher, timeout=timeout)
         # Its own connection: the subscriber's reads block for long, the publisher's are quick.
         self.subscriber = subscriber

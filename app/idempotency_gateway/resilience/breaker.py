@@ -170,7 +170,9 @@ class CircuitBreaker:
             self._failures.add()
         if slow:
             self._slow.add()
-        if self._should_open():
+        # Only a failed or slow call can tip a rate over its threshold: a good one lowers
+        # both, so it skips summing the windows (the cache's guard pays this per request).
+        if (failure or slow) and self._should_open():
             self._move_to(BreakerState.OPEN)
 
     def release(self, permit: Permit) -> None:

@@ -19,13 +19,12 @@ This module imports no driver: a library user pays only for the backend the URL 
 from __future__ import annotations
 
 import asyncio
-import warnings
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum, auto
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from idempotency_gateway.clock import Clock, utc_now
 from idempotency_gateway.config import StoreConfig
@@ -138,6 +137,12 @@ def invalidation_from_row(data: Row) -> Invalidation:
     return Invalidation(data["id"], key)
 
 
+class StoreOpener(Protocol):
+    def __call__(self, url: str, config: StoreConfig, *, clock: Clock | None = None) -> RecordStore:
+        """The store at ``url`` (``storage.open_store``)."""
+        ...
+
+
 class RecordStore(ABC):
     """The durable home of idempotency records, shared by every gateway on one database.
 
@@ -157,18 +162,9 @@ class RecordStore(ABC):
         self._pinned_clock = clock
         self.clock: Clock = clock or utc_now
 
-    @classmethod
-    def from_url(cls, url: str, config: StoreConfig, *, clock: Clock | None = None) -> RecordStore:
-        """Deprecated: ``open_store(url, config)`` from ``idempotency_gateway.storage``."""
-        warnings.warn(
-            "RecordStore.from_url is deprecated; use idempotency_gateway.storage.open_store",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        # Imported here: the base never imports a backend at module level.
-        from idempotency_gateway.storage.backends import open_store
-
-        return open_store(url, config, clock=clock)
+    # Deprecated for ``open_store``, kept one release; set by ``storage.backends``, which the
+    # storage package imports first (see there).
+    from_url: ClassVar[StoreOpener]
 
     @abstractmethod
     async def start(self) -> None:

@@ -21,7 +21,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from idempotency_gateway.asgi import Headers, Scope
 from idempotency_gateway.config import TracingConfig
-from idempotency_gateway.telemetry.tracing import AttributeValue
+from idempotency_gateway.telemetry.attributes import AttributeValue
 
 DEFAULT_SERVICE_NAME = "idempotency-gateway"
 _TRACE_HEADERS = (b"traceparent", b"tracestate")

@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from idempotency_gateway.asgi import Headers, Scope
 from idempotency_gateway.config import TracingConfig
+from idempotency_gateway.telemetry.attributes import AttributeValue
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
-
-AttributeValue = str | bool | int | float
 
 
 class Span(Protocol):
