@@ -59,16 +59,11 @@ def upstream_target(base_path: bytes, target: RequestTarget) -> bytes:
     return path + b"?" + target.query if target.query else path
 
 
-def _key_runs_again_after_ambiguity(scope: Scope) -> bool:
+def _key_runs_again_after_ambiguity(route: RouteConfig | None, keyed: bool) -> bool:
     """Whether a keyed execution that may have reached the upstream leaves its record
     retryable (``on_ambiguous: retry``): the one decision behind both the proxy's own retry
     of an ambiguous failure and the ``retryable`` the client is told."""
-    route = target_of(scope).route
-    return (
-        execution_of(scope) is not None
-        and route is not None
-        and route.idempotency.on_ambiguous is OnAmbiguous.RETRY
-    )
+    return keyed and route is not None and route.idempotency.on_ambiguous is OnAmbiguous.RETRY
 
 
 class ProxyApp:
@@ -110,7 +105,9 @@ class ProxyApp:
 
     def _answer_for(self, scope: Scope, error: UpstreamError) -> UpstreamError:
         """The error the client gets: it says whether a retry with its key will run again."""
-        if isinstance(error, UpstreamAmbiguous) and _key_runs_again_after_ambiguity(scope):
+        if isinstance(error, UpstreamAmbiguous) and _key_runs_again_after_ambiguity(
+            target_of(scope).route, execution_of(scope) is not None
+        ):
             # The record stays retryable: the client's retry with the key runs again.
             return type(error)(error.detail, retryable=True)
         return error
@@ -142,15 +139,16 @@ class ProxyApp:
             )
 
         deadline = Deadline.for_request(headers, upstream.client.config.timeouts.total)
+        execution = execution_of(scope)
         response = await cancel_on_disconnect(
             scope,
             receive,
             upstream.open(
                 make_request,
                 deadline=deadline,
-                plan=self._retry_plan(route, scope),
+                plan=self._retry_plan(route, scope["method"], keyed=execution is not None),
                 request_log=entry,
-                execution=execution_of(scope),
+                execution=execution,
             ),
         )
         try:
@@ -163,14 +161,12 @@ class ProxyApp:
             response.release()
 
     @staticmethod
-    def _retry_plan(route: RouteConfig, scope: Scope) -> RetryPlan:
-        method = scope["method"]
+    def _retry_plan(route: RouteConfig, method: str, *, keyed: bool) -> RetryPlan:
         # A key forwarded upstream makes any method safe to resend: the record and the
         # upstream both dedupe on it.
-        keyed = execution_of(scope) is not None
         return RetryPlan(
             idempotent=keyed or method in IDEMPOTENT_METHODS,
-            retry_ambiguous=method in SAFE_METHODS or _key_runs_again_after_ambiguity(scope),
+            retry_ambiguous=method in SAFE_METHODS or _key_runs_again_after_ambiguity(route, keyed),
             ambiguous_statuses=route.idempotency.outcomes.ambiguous,
         )
 
