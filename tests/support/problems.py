@@ -20,6 +20,7 @@ PROBLEM_JSON = PROBLEM_CONTENT_TYPE.decode()
 DOCUMENTED_5XX = {
     "store-unavailable": 503,
     "circuit-open": 503,
+    "lease-not-confirmed": 503,
     "capacity-exhausted": 503,
     "upstream-unreachable": 502,
     "upstream-connection-lost": 502,
