@@ -82,7 +82,8 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture(params=["group-commit", "one-by-one"])
+# The default setting in the fast loop; the other in the full run (`slow`), which CI runs.
+@pytest.fixture(params=["group-commit", pytest.param("one-by-one", marks=pytest.mark.slow)])
 async def store(
     database_url: str, clock: ManualClock, request: pytest.FixtureRequest
 ) -> AsyncIterator[RecordStore]:
