@@ -123,3 +123,27 @@ async def test_no_connection_stays_idle_past_the_idle_timeout(
     # The next command connects afresh.
     assert await direct.run(("CLIENT", "ID")) != [connection_id]
     await direct.close()
+
+
+async def test_by_default_a_burst_as_wide_as_a_busy_worker_reuses_its_connections(
+    redis_url: str, redis_client: Redis, client_name: str
+) -> None:
+    """32 requests of one worker asking Redis at once, burst after burst: the connections of
+    the first burst serve the next ones, none is closed and opened again (a reconnect costs
+    the worker several times the command itself)."""
+    client = Redis.from_url(redis_url, client_name=client_name)
+    direct = DirectCommands(client)
+    try:
+        for burst in range(3):
+            lists, pops = await blocked_pops(direct, redis_client, client_name, 32)
+            ids = await redis_client.client_list()
+            opened = {c["id"] for c in ids if c["name"] == client_name}
+            if burst == 0:
+                first = opened
+            assert opened == first, f"burst {burst} opened connections of its own"
+            await release(redis_client, lists)
+            await asyncio.gather(*pops)
+        assert direct.idle == 32
+    finally:
+        await direct.close()
+        await client.aclose()

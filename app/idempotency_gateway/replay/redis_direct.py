@@ -41,7 +41,11 @@ from redis.typing import EncodableT
 
 Command = Sequence[EncodableT]
 
-MAX_IDLE = 8
+# As wide as a busy worker's burst of concurrent requests: a connection closed for being one
+# too many idle is opened again by the next burst, and a reconnect (socket, HELLO, SELECT,
+# CLIENT SETNAME) costs the client several times the command (32 at once, burst after burst:
+# 36-42 us of CPU per GET + PTTL with 64 kept, 250-290 us with 8; benchmarks/redis_idle.py).
+MAX_IDLE = 64
 IDLE_TIMEOUT = 30.0
 MAX_BATCH = 64
 
