@@ -58,7 +58,11 @@ TRACE_OF: dict[str, Callable[[Report], bool]] = {
         report.counts["  refused: not processed"] > 0
         and any("fenced" in kind for kind in report.errors)
     ),
-    DATABASE_LINK_PAUSE: lambda report: any("lease" in kind for kind in report.errors),
+    # The cut-off owner either ran out its lease waiting for the store (and said so), or saw
+    # its link come back after another gateway had taken the record over and was fenced off.
+    DATABASE_LINK_PAUSE: lambda report: any(
+        "lease" in kind or "fenced" in kind for kind in report.errors
+    ),
     POSTGRES_RESTART: _seen("gateway 503 store-unavailable", "log error: finalize failed"),
     REDIS_RESTART: _seen("log warning: Redis"),
     UPSTREAM_HANG: _seen("gateway 504 upstream-timeout"),
