@@ -2,7 +2,8 @@
 
 On a private redis-server (so its command statistics are this test's alone) a replay is one
 GET in one round trip, and a new key is a GET miss plus one pipelined SET + PUBLISH: two round
-trips, counted at the client's socket writes and at the server's command statistics. A
+trips, counted at the client's socket writes and at the server's command statistics; the
+lookups or the writes of one loop iteration share one pipeline, each caller with its replies. A
 half-open probe that is cancelled while Redis hangs (SIGSTOP) gives its permit back, so the
 cache finds Redis again once it answers.
 """
@@ -23,7 +24,7 @@ from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.replay.cache import CachedAnswer, cache_key
 from idempotency_gateway.replay.redis_cache import RedisCache
 from idempotency_gateway.replay.redis_connect import connect_redis
-from idempotency_gateway.replay.redis_direct import BatchFailed, DirectCommands
+from idempotency_gateway.replay.redis_direct import MAX_BATCH, BatchFailed, DirectCommands
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.storage.records import RecordKey, Status, StoredResponse
 from tests.support.clock import ManualClock, state_of
@@ -270,7 +271,9 @@ async def test_redis_dropping_every_client_costs_one_failed_command_not_one_per_
     cache = cache_that_stays_closed(node, timeout=2.0, socket_timeout=2.0)
     try:
         assert await cache.put(answer_for(fresh_key))
-        burst = await asyncio.gather(*(cache.get(fresh_key) for _ in range(8)))
+        # Lookups of one loop iteration share a pipeline of at most MAX_BATCH: eight full
+        # pipelines go out at once, on eight connections.
+        burst = await asyncio.gather(*(cache.get(fresh_key) for _ in range(8 * MAX_BATCH)))
         assert all(found is not None for found in burst)
         client = redis.asyncio.Redis.from_url(node.url)
         try:
@@ -311,6 +314,39 @@ async def test_answers_stored_in_one_loop_iteration_are_one_pipeline(
             found = await cache.get(key)
             assert found is not None
             assert found.key == key
+    finally:
+        await cache.close()
+
+
+async def test_lookups_of_one_loop_iteration_are_one_pipeline_each_with_its_own_reply(
+    node: RedisNode, unique: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = cache_on(node)
+    stored = [
+        RecordKey("scope-round-trips", "POST /v1/charges", unique(f"hit{n}")) for n in range(3)
+    ]
+    missing = [
+        RecordKey("scope-round-trips", "POST /v1/charges", unique(f"miss{n}")) for n in range(2)
+    ]
+    try:
+        for key in stored:
+            assert await cache.put(answer_for(key))
+        counter = WriteCounter(monkeypatch)
+        before = await command_counts(node.url)
+        writes = counter.writes
+        asked = [stored[0], missing[0], stored[1], missing[1], stored[2]]
+
+        found = await asyncio.gather(*(cache.get_with_expiry(key) for key in asked))
+
+        assert counter.writes - writes == 1
+        assert delta(before, await command_counts(node.url)) == {"get": 5, "pttl": 5}
+        assert [answer.key if answer else None for answer in found] == [
+            stored[0], None, stored[1], None, stored[2]
+        ]  # fmt: skip
+        # Each copy lives no longer than its own entry in Redis (an hour, less the wait).
+        for answer in (found[0], found[2], found[4]):
+            assert answer is not None
+            assert 0 < answer.expires_at - time.monotonic() <= ONE_HOUR
     finally:
         await cache.close()
 

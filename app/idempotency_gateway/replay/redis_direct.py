@@ -22,10 +22,13 @@ per connection the busiest moment left idle. (``cache.decode`` also checks that 
 names the key it was asked for.)
 A Redis Cluster keeps the full client, which routes by slot.
 
-Writes of one loop iteration go together (``run_batched``): the SET + PUBLISH of many
-requests finalized at once are one pipeline, one write and one read of all the replies, sent
-once the iteration's other callbacks had their turn. The first caller of an iteration sends
-the batch; the others wait for their replies. At most ``MAX_BATCH`` calls share a pipeline.
+The commands of one loop iteration go together (``run_batched``): the GET + PTTL of every
+keyed request that arrived at once, and the SET + PUBLISH of every request finalized at once,
+are one pipeline, one write and one read of all the replies, sent once the iteration's other
+callbacks had their turn. The first caller of an iteration sends the batch; the others wait
+for their replies. At most ``MAX_BATCH`` calls share a pipeline. Under load this is what
+keeps Redis's cost per request down on both sides: 32 concurrent new keys cost a few
+writes and reads instead of 32 (``benchmarks/RESULTS.md``, "Redis reads batched").
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``RedisAdapter`` on a single Redis node.
 
 A replay's GET and an answer's SET + PUBLISH go on connections of the client's own pool,
-past redis-py's per-call layers (``redis_direct``); everything else through the client.
+past redis-py's per-call layers (``redis_direct``), each loop iteration's together in one
+pipeline; everything else through the client.
 Wake-ups listen on one pub/sub connection of a client of their own, whose reads block, and
 live streams' followers read on another (``redis_commands``).
 """
@@ -44,11 +45,11 @@ class NodeRedis(CommandClient):
 
     async def get(self, name: str) -> object:
         with redis_failures():
-            return (await self._direct.run(("GET", name)))[0]
+            return (await self._direct.run_batched(("GET", name)))[0]
 
     async def get_with_ttl(self, name: str) -> tuple[object, object]:
         with redis_failures():
-            value, ttl_ms = await self._direct.run(("GET", name), ("PTTL", name))
+            value, ttl_ms = await self._direct.run_batched(("GET", name), ("PTTL", name))
         return value, ttl_ms
 
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
