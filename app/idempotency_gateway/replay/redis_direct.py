@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -87,12 +87,7 @@ class DirectCommands:
         # (``MaxConnectionsError`` at its limit) covers the ones held here.
         connection = self._idle.pop()[0] if self._idle else self._from_pool()
         try:
-            packed = (
-                connection.pack_command(*commands[0])
-                if len(commands) == 1
-                else connection.pack_commands(commands)
-            )
-            await connection.send_packed_command(packed, check_health=False)
+            await connection.send_packed_command(_pack(connection, commands), check_health=False)
             replies = [await connection.read_response() for _ in commands]
         except BaseException:
             # The idle ones were opened before this failure and most likely share its cause
@@ -185,6 +180,28 @@ class DirectCommands:
         await self._close([connection for connection, _ in idle])
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
+    """hiredis's RESP packer; the ``redis`` extra installs hiredis, but a redis-py without it
+    still works, with redis-py's own packer."""
+    try:
+        import hiredis
+    except ImportError:
+        return None
+    pack: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
+    return pack
+
+
+_HIREDIS_PACK = _hiredis_packer()
+
+
+def _pack(connection: AbstractConnection, commands: Sequence[Command]) -> bytes | list[bytes]:
+    """The commands in RESP: hiredis packs in C what redis-py's asyncio connection packs in
+    Python, for a sixth of the CPU (``benchmarks/RESULTS.md``, "Redis reads batched")."""
+    if _HIREDIS_PACK is None:
+        return connection.pack_commands(commands)
+    return b"".join([_HIREDIS_PACK(tuple(command)) for command in commands])
 
 
 def _next_iteration(loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
