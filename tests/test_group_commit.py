@@ -3,7 +3,8 @@ go out as one statement each, and every caller gets the answer it would have got
 
 Counted at the driver (asyncpg's query logger, ``StatementLog``): many reserves in one
 iteration are one statement; the same key twice behaves as two statements in a row; new and
-existing keys mix; a stale fence loses only its own row; a batch whose server process is
+existing keys mix; a stale fence loses only its own row; a key another transaction commits
+while the batch waits on it is read back as held; a batch whose server process is
 terminated fails every caller with ``StoreUnavailable`` and writes nothing. Through the
 gateway, a new key costs exactly a reserve and a finalize: the execution fence adds nothing.
 """
@@ -184,6 +185,53 @@ async def test_a_failed_batch_fails_every_caller_and_writes_nothing(
     # The store goes on: the next batch reserves them all.
     again = await asyncio.gather(*(store.reserve(k, claim("next")) for k in wanted))
     assert all(r.reserved for r in again)
+
+
+async def test_a_key_committed_by_another_while_the_batch_waits_is_read_back_as_held(
+    store: PostgresRecordStore, postgres_url: str, statements: StatementLog
+) -> None:
+    """The batch's insert waits on another transaction's uncommitted row for one of its keys;
+    that transaction commits. The insert then skips the key, and the batch's own read of the
+    held keys, bound to the statement's snapshot, cannot see the row: the follow-up read in a
+    fresh snapshot must find it, so that caller learns who holds its key instead of failing."""
+    wanted = keys("raced", 4)
+    raced = wanted[-1]
+    dsn = asyncpg_dsn_of(postgres_url)
+    holder = await asyncpg.connect(dsn)
+    watcher = await asyncpg.connect(dsn)
+    try:
+        transaction = holder.transaction()
+        await transaction.start()
+        await holder.execute(
+            "INSERT INTO idempotency_records (scope, operation, idempotency_key, request_hash,"
+            " status, owner_id, fencing_token, lease_expires_at, attempts, created_at,"
+            " updated_at, expires_at) VALUES ($1, $2, $3, 'h', 'IN_PROGRESS', 'first-holder',"
+            " 0, now() + interval '30 seconds', 1, now(), now(), now() + interval '1 hour')",
+            *(raced.tenant, raced.operation, raced.idempotency_key),
+        )
+        holder_pid = await holder.fetchval("SELECT pg_backend_pid()")
+        follow_ups = statements.of(sql.SELECT_BATCH_WITH_NOW)
+        reserves = [asyncio.create_task(store.reserve(k, claim("batch"))) for k in wanted]
+
+        async def batch_waits() -> bool:
+            waiting: int = await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                holder_pid,
+            )
+            return waiting == 1
+
+        await eventually(batch_waits, message="the batch's insert waits on the uncommitted row")
+        await transaction.commit()
+        got = await asyncio.gather(*reserves)
+
+        assert [r.reserved for r in got] == [True, True, True, False]
+        assert got[-1].record.owner_id == "first-holder"
+        assert got[-1].record.key == raced
+        assert all(r.record.owner_id == "batch" for r in got[:-1])
+        assert statements.of(sql.SELECT_BATCH_WITH_NOW) == follow_ups + 1
+    finally:
+        await holder.close()
+        await watcher.close()
 
 
 async def test_cancelled_callers_leave_the_rest_of_the_batch_answered(
