@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
+from asyncpg.transaction import Transaction
 
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.database_url import asyncpg_dsn_of
@@ -57,6 +58,23 @@ def keys(name: str, count: int) -> list[RecordKey]:
 
 def claim(owner: str) -> Claim:
     return Claim("a" * 64, owner, LEASE, TTL)
+
+
+async def hold_uncommitted(
+    connection: asyncpg.Connection, key: RecordKey, *, owner: str
+) -> Transaction:
+    """A live record of ``owner`` for ``key``, inserted in a transaction left open: a batch
+    that names the key waits on its row until the transaction ends."""
+    transaction = connection.transaction()
+    await transaction.start()
+    await connection.execute(
+        "INSERT INTO idempotency_records (scope, operation, idempotency_key, request_hash,"
+        " status, owner_id, fencing_token, lease_expires_at, attempts, created_at,"
+        " updated_at, expires_at) VALUES ($1, $2, $3, 'h', 'IN_PROGRESS', $4, 0,"
+        " now() + interval '30 seconds', 1, now(), now(), now() + interval '1 hour')",
+        *(key.tenant, key.operation, key.idempotency_key, owner),
+    )
+    return transaction
 
 
 async def test_reserves_of_one_iteration_go_out_as_one_statement(
@@ -150,15 +168,7 @@ async def test_a_failed_batch_fails_every_caller_and_writes_nothing(
     watcher = await asyncpg.connect(dsn)
     try:
         # An uncommitted row for the last key: the batch's insert waits on it, in flight.
-        transaction = blocker.transaction()
-        await transaction.start()
-        await blocker.execute(
-            "INSERT INTO idempotency_records (scope, operation, idempotency_key, request_hash,"
-            " status, owner_id, fencing_token, lease_expires_at, attempts, created_at,"
-            " updated_at, expires_at) VALUES ($1, $2, $3, 'h', 'IN_PROGRESS', 'blocker', 0,"
-            " now(), 1, now(), now(), now())",
-            *(wanted[-1].tenant, wanted[-1].operation, wanted[-1].idempotency_key),
-        )
+        transaction = await hold_uncommitted(blocker, wanted[-1], owner="blocker")
         holder = await blocker.fetchval("SELECT pg_backend_pid()")
         reserves = [asyncio.create_task(store.reserve(k, claim("victim"))) for k in wanted]
 
@@ -200,15 +210,7 @@ async def test_a_key_committed_by_another_while_the_batch_waits_is_read_back_as_
     holder = await asyncpg.connect(dsn)
     watcher = await asyncpg.connect(dsn)
     try:
-        transaction = holder.transaction()
-        await transaction.start()
-        await holder.execute(
-            "INSERT INTO idempotency_records (scope, operation, idempotency_key, request_hash,"
-            " status, owner_id, fencing_token, lease_expires_at, attempts, created_at,"
-            " updated_at, expires_at) VALUES ($1, $2, $3, 'h', 'IN_PROGRESS', 'first-holder',"
-            " 0, now() + interval '30 seconds', 1, now(), now(), now() + interval '1 hour')",
-            *(raced.tenant, raced.operation, raced.idempotency_key),
-        )
+        transaction = await hold_uncommitted(holder, raced, owner="first-holder")
         holder_pid = await holder.fetchval("SELECT pg_backend_pid()")
         follow_ups = statements.of(sql.SELECT_BATCH_WITH_NOW)
         reserves = [asyncio.create_task(store.reserve(k, claim("batch"))) for k in wanted]

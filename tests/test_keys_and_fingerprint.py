@@ -11,11 +11,18 @@ import re
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from idempotency_gateway.asgi import Headers, header_values
 from idempotency_gateway.errors import InvalidIdempotencyKey
 from idempotency_gateway.idempotency.fingerprint import request_hash
-from idempotency_gateway.idempotency.keys import ANONYMOUS_TENANT, parse_idempotency_key, tenant_of
+from idempotency_gateway.idempotency.keys import (
+    ANONYMOUS_TENANT,
+    is_key,
+    parse_idempotency_key,
+    tenant_of,
+)
 
 KEY_HEADER = b"idempotency-key"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -232,6 +239,53 @@ def test_scope_from_two_headers_ignores_field_order() -> None:
 )
 def test_scope_from_two_headers_keeps_tenants_apart(one: Headers, other: Headers) -> None:
     assert scope(one, ACCOUNT_AND_AUTHORIZATION) != scope(other, ACCOUNT_AND_AUTHORIZATION)
+
+
+def scope_as_first_released(headers: Headers, names: tuple[bytes, ...], secret: bytes) -> str:
+    """The scope as 0.1 computed it, field by field into one HMAC, for fields whose spelling
+    needs no normalizing: stored records are found by it, so every later way of computing it
+    must give the same digest."""
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
+    present = False
+    for name in names:
+        for value in header_values(headers, name):
+            if value.strip(b" \t"):
+                present = True
+                digest.update(name + b"\x00" + len(value).to_bytes(4, "big") + value)
+        digest.update(b"\x01")
+    return digest.hexdigest() if present else ANONYMOUS_TENANT
+
+
+field_values = st.binary(max_size=40).filter(lambda value: not {13, 10} & set(value))
+# ``Bearer <token>`` as clients send it: the spelling the scope normalizes every other one to.
+bearer_values = (
+    st.binary(min_size=1, max_size=40)
+    .filter(lambda token: not {13, 10} & set(token) and not token.startswith((b" ", b"\t")))
+    .map(lambda token: b"Bearer " + token)
+)
+
+
+@given(
+    authorization=st.lists(bearer_values, max_size=2),
+    account=st.lists(field_values, max_size=2),
+    secret=st.binary(min_size=1, max_size=64),
+)
+def test_a_scope_is_the_digest_stored_records_were_keyed_by(
+    authorization: list[bytes], account: list[bytes], secret: bytes
+) -> None:
+    headers: Headers = [(b"authorization", value) for value in authorization]
+    headers += [(b"stripe-account", value) for value in account]
+
+    assert scope(headers, ACCOUNT_AND_AUTHORIZATION, secret=secret) == scope_as_first_released(
+        headers, ACCOUNT_AND_AUTHORIZATION, secret
+    )
+
+
+@given(st.text(max_size=300))
+def test_a_key_is_1_to_255_characters_from_0x21_to_0x7e(text: str) -> None:
+    visible = 1 <= len(text) <= 255 and all(0x21 <= ord(char) <= 0x7E for char in text)
+
+    assert is_key(text) == visible
 
 
 # ---------------------------------------------------------------------------- fingerprint
