@@ -23,7 +23,9 @@ ANONYMOUS_TENANT = "anonymous"
 
 
 def _is_visible_ascii(text: str) -> bool:
-    return all(0x21 <= ord(char) <= 0x7E for char in text)
+    """Every character 0x21 to 0x7E: ASCII, printable (0x20 to 0x7E), and no space. Three
+    string methods in C, a tenth of a loop over the characters in Python."""
+    return text.isascii() and text.isprintable() and " " not in text
 
 
 def is_key(text: str) -> bool:
@@ -81,6 +83,8 @@ def with_bare_key(headers: Headers, header_name: bytes, key: str) -> Headers:
     here, so the upstream must see them as one key too. Bare, because the APIs behind
     gateways (Stripe's among them) read the field as an opaque string, quotes included."""
     bare = key.encode("ascii")
+    if (header_name, bare) in headers:
+        return headers  # sent bare already, as nearly every client does
     return [(name, bare if name == header_name else value) for name, value in headers]
 
 
@@ -114,19 +118,20 @@ def tenant_of(headers: Headers, credential_headers: tuple[bytes, ...], *, secret
     The raw credential is never stored, and without the secret a stored tenant cannot be
     matched against guessed credentials (a bare hash of a short password can).
     """
-    digest = hmac.new(secret, digestmod=hashlib.sha256)
-    present = False
+    # One HMAC over the fields joined, in one call in C: the digest of the same bytes fed to
+    # it field by field, as the stored records' scopes were computed.
+    message: list[bytes] = []
     for name in credential_headers:
         # An empty field is no credential: counted as one, it would be a tenant shared by
         # everyone who sends it, past an ``anonymous: refuse`` route.
         values = [value for value in header_values(headers, name) if value.strip(b" \t")]
         if name in _CREDENTIAL_FIELDS:
             values = [_credential(value) for value in values]
-        for value in values:
-            present = True
-            digest.update(name + b"\x00" + len(value).to_bytes(4, "big") + value)
-        digest.update(b"\x01")
-    return digest.hexdigest() if present else ANONYMOUS_TENANT
+        message.extend(name + b"\x00" + len(value).to_bytes(4, "big") + value for value in values)
+        message.append(b"\x01")
+    if len(message) == len(credential_headers):
+        return ANONYMOUS_TENANT  # only the separators: no credential was sent
+    return hmac.digest(secret, b"".join(message), "sha256").hex()
 
 
 # A header name never starts with 0x02, so a sender's scope never equals a client's.
