@@ -3,9 +3,9 @@
 On a private redis-server (so its command statistics are this test's alone) a replay is one
 GET in one round trip, and a new key is a GET miss plus one pipelined SET + PUBLISH: two round
 trips, counted at the client's socket writes and at the server's command statistics; the
-lookups or the writes of one loop iteration share one pipeline, each caller with its replies. A
-half-open probe that is cancelled while Redis hangs (SIGSTOP) gives its permit back, so the
-cache finds Redis again once it answers.
+lookups or the writes of one loop iteration share one pipeline, each caller with its replies
+(and only its own error reply). A half-open probe that is cancelled while Redis hangs (SIGSTOP)
+gives its permit back, so the cache finds Redis again once it answers.
 """
 
 from __future__ import annotations
@@ -369,3 +369,46 @@ async def test_a_cancelled_batch_sender_fails_the_others_instead_of_leaving_them
     finally:
         await direct.close()
         await client.aclose()
+
+
+async def test_a_command_refused_in_a_shared_pipeline_fails_only_its_own_caller(
+    node: RedisNode, unique: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full Redis (``maxmemory`` reached, ``noeviction``) refuses the SET of an answer
+    while it still serves reads: the lookups that shared that SET's pipeline get their
+    entries, and the connection, still in step, serves the next call."""
+    cache = cache_that_stays_closed(node, timeout=2.0, socket_timeout=2.0)
+    stored = [
+        RecordKey("scope-round-trips", "POST /v1/charges", unique(f"full{n}")) for n in range(2)
+    ]
+    refused = RecordKey("scope-round-trips", "POST /v1/charges", unique("refused"))
+    client = redis.asyncio.Redis.from_url(node.url)
+    try:
+        for key in stored:
+            assert await cache.put(answer_for(key))
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", 1)
+        counter = WriteCounter(monkeypatch)
+        writes = counter.writes
+
+        outcomes = await asyncio.gather(
+            cache.get(stored[0]), cache.put(answer_for(refused)), cache.get(stored[1])
+        )
+
+        assert counter.writes - writes == 1  # the three shared one pipeline
+        found_first, put, found_second = outcomes
+        assert put is False
+        assert [found.key if found else None for found in (found_first, found_second)] == stored
+        assert await client.exists(cache_key(refused)) == 0
+        direct = DirectCommands(client)
+        try:
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                await direct.run(("SET", cache_key(refused), b"x"), ("ECHO", b"read"))
+            assert direct.idle == 1  # kept: the error was a whole reply, and so was the echo
+            assert await direct.run(("ECHO", b"after")) == [b"after"]
+        finally:
+            await direct.close()
+    finally:
+        await client.config_set("maxmemory", 0)
+        await client.aclose()
+        await cache.close()

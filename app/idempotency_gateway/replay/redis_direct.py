@@ -15,7 +15,10 @@ instead of opening one more. At most ``max_idle`` stay idle, none for longer tha
 ``idle_timeout``: a burst leaves no crowd of sockets behind, and Redis's ``maxclients`` is
 not spent on connections nobody uses.
 
-A connection goes back to the idle list only after every reply of its commands was read.
+A connection goes back to the idle list only after every reply of its commands was read. An
+error reply (a SET refused by a full Redis, a WRONGTYPE) is a whole reply: the connection
+stays in step and is kept, and the error is raised in the one caller whose command drew it,
+never in the others that shared its pipeline.
 Any failure or cancellation closes it, so a reply can never be read as the answer to a later
 command, and closes the idle ones too, so a Redis that restarted costs one failure, not one
 per connection the busiest moment left idle. (``cache.decode`` also checks that an entry
@@ -40,6 +43,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
+from redis.exceptions import ResponseError
 from redis.typing import EncodableT
 
 Command = Sequence[EncodableT]
@@ -82,13 +86,18 @@ class DirectCommands:
         return len(self._idle)
 
     async def run(self, *commands: Command) -> list[Any]:
-        """The replies to ``commands``, sent together in one write: one round trip."""
+        """The replies to ``commands``, sent together in one write: one round trip. An error
+        reply is raised (the first one), after every reply was read."""
+        return _raised(await self._exchange(commands))
+
+    async def _exchange(self, commands: Sequence[Command]) -> list[Any]:
+        """The replies to ``commands``, an error reply as its ``ResponseError`` in its place."""
         # Synchronous, so no lock is needed: the pool's own count of connections in use
         # (``MaxConnectionsError`` at its limit) covers the ones held here.
         connection = self._idle.pop()[0] if self._idle else self._from_pool()
         try:
             await connection.send_packed_command(_pack(connection, commands), check_health=False)
-            replies = [await connection.read_response() for _ in commands]
+            replies = [await _read_reply(connection) for _ in commands]
         except BaseException:
             # The idle ones were opened before this failure and most likely share its cause
             # (Redis restarted, killed its clients, or a network path broke): each would cost
@@ -118,7 +127,7 @@ class DirectCommands:
             finally:
                 if self._batch is batch:
                     self._batch = None
-            replies = await self.run(*(command for sent, _ in batch for command in sent))
+            replies = await self._exchange([command for sent, _ in batch for command in sent])
         except BaseException as exc:
             for _, waiter in batch[1:]:
                 if waiter is not None and not waiter.done():
@@ -127,9 +136,14 @@ class DirectCommands:
         start = len(commands)
         for sent, waiter in batch[1:]:
             if waiter is not None and not waiter.done():
-                waiter.set_result(replies[start : start + len(sent)])
+                own = replies[start : start + len(sent)]
+                error = _first_error(own)
+                if error is None:
+                    waiter.set_result(own)
+                else:
+                    waiter.set_exception(error)
             start += len(sent)
-        return replies[: len(commands)]
+        return _raised(replies[: len(commands)])
 
     def _from_pool(self) -> AbstractConnection:
         connection: AbstractConnection = self._pool.get_available_connection()  # type: ignore[no-untyped-call]
@@ -180,6 +194,25 @@ class DirectCommands:
         await self._close([connection for connection, _ in idle])
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+async def _read_reply(connection: AbstractConnection) -> Any:
+    try:
+        return await connection.read_response()
+    except ResponseError as error:
+        # Raised by redis-py after the whole reply was parsed: nothing is left unread.
+        return error
+
+
+def _first_error(replies: list[Any]) -> ResponseError | None:
+    return next((reply for reply in replies if isinstance(reply, ResponseError)), None)
+
+
+def _raised(replies: list[Any]) -> list[Any]:
+    error = _first_error(replies)
+    if error is not None:
+        raise error
+    return replies
 
 
 def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
