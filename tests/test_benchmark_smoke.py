@@ -54,3 +54,21 @@ def test_quick_run_writes_a_results_table(tmp_path: Path, postgres_url: str) -> 
         assert cells[5] == "0", cells  # no errors
     assert "x `minproxy`" not in text  # its baseline did not run: the ratio says n/a
     assert "n/a" in _row(text, "gw1-pass")[6]
+
+
+def test_the_in_process_cost_harness_runs_every_scenario() -> None:
+    command = [
+        sys.executable, "-m", "benchmarks.app_cost",
+        "--requests", "40", "--rounds", "2", "--concurrency", "4",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    costs = {
+        line.split()[0]: float(line.split()[2])
+        for line in done.stdout.splitlines()
+        if " min " in line
+    }
+    assert costs.keys() == {"pass", "replay", "new"}, done.stdout
+    assert all(cost > 0 for cost in costs.values()), done.stdout

@@ -44,12 +44,12 @@ from idempotency_gateway.resilience.breaker import CircuitBreaker, TransitionLis
 from idempotency_gateway.resilience.budget import RetryBudget
 from idempotency_gateway.resilience.bulkhead import Bulkhead, BulkheadKind, RetrySlot
 from idempotency_gateway.telemetry import tracing
+from idempotency_gateway.telemetry.iteration_metrics import counts, observations
 from idempotency_gateway.telemetry.metrics import (
     RETRY_BUDGET_EXHAUSTED,
     UPSTREAM_ATTEMPT_DURATION,
     UPSTREAM_ATTEMPTS,
     UPSTREAM_RETRIES,
-    Children,
 )
 from idempotency_gateway.telemetry.request_log import RequestLog
 
@@ -113,6 +113,8 @@ class ResilientUpstream:
         self.name = client.name
         config: UpstreamConfig = client.config
         self.retry = config.retry
+        # Asked after every answer; the property builds a new set each time.
+        self.retry_statuses = config.retry.retry_statuses
         self.breaker_failures = config.breaker.failure_on
         self.breaker = CircuitBreaker(
             client.name, config.breaker, clock=clock, on_transition=on_breaker_transition
@@ -133,8 +135,8 @@ class ResilientUpstream:
         self._uniform = uniform
         self.per_try = config.timeouts.per_try
         # Bound once: the name is fixed and the results are a handful of words.
-        self._attempt_duration = UPSTREAM_ATTEMPT_DURATION.labels(self.name)
-        self._attempts = Children(UPSTREAM_ATTEMPTS)
+        self._attempt_duration = observations(UPSTREAM_ATTEMPT_DURATION)(self.name)
+        self._attempts = counts(UPSTREAM_ATTEMPTS)
 
     async def open(
         self,
@@ -257,7 +259,7 @@ class ResilientUpstream:
         # Plain answers (2xx, 404) need no explanation; a retryable status that was not
         # retried (429 past the deadline, budget spent) does.
         status = response.status
-        if attempt > 1 or status >= 500 or status in self.retry.retry_statuses:
+        if attempt > 1 or status >= 500 or status in self.retry_statuses:
             self._log_final(attempt, f"status {status}", reason, span)
         return response
 
@@ -275,11 +277,11 @@ class ResilientUpstream:
     def _why_not_retry_status(self, status: int, plan: RetryPlan) -> str | None:
         if status < 400:
             return "success"
-        if status in plan.ambiguous_statuses and status not in self.retry.retry_statuses:
+        if status in plan.ambiguous_statuses and status not in self.retry_statuses:
             if plan.retry_ambiguous:
                 return None
             return f"{status} is ambiguous and the route does not retry ambiguous failures"
-        if status not in self.retry.retry_statuses:
+        if status not in self.retry_statuses:
             return f"{status} is not in retry_on"
         if not plan.idempotent:
             return "the request is not idempotent (no idempotency key, unsafe method)"

@@ -33,10 +33,11 @@ from idempotency_gateway.storage.records import (
     Status,
     StoredResponse,
 )
-from idempotency_gateway.telemetry.metrics import CACHE_LOOKUPS, Children
+from idempotency_gateway.telemetry.iteration_metrics import counts
+from idempotency_gateway.telemetry.metrics import CACHE_LOOKUPS
 
 # Bound once per result (hit, miss, error), shared by every cache.
-cache_lookups = Children(CACHE_LOOKUPS)
+cache_lookups = counts(CACHE_LOOKUPS)
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
 from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.degradation import DegradationLog
-from idempotency_gateway.telemetry.metrics import CACHE_LATENCY, Children
+from idempotency_gateway.telemetry.iteration_metrics import observations
+from idempotency_gateway.telemetry.metrics import CACHE_LATENCY
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ CACHE_BREAKER = BreakerConfig(
 )
 
 
-_cache_latency = Children(CACHE_LATENCY)
+_cache_latency = observations(CACHE_LATENCY)
 
 
 class _Failed:

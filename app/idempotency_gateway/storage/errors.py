@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from idempotency_gateway.errors import StoreReadOnly, StoreUnavailable
 from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.degradation import DegradationLog
-from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY, Children
+from idempotency_gateway.telemetry.iteration_metrics import counts, observations
+from idempotency_gateway.telemetry.metrics import STORE_ERRORS, STORE_LATENCY
 
 # SQLSTATEs: a write on a standby (or a database or session set read-only); a connection
 # over the server's, the database's or the role's limit.
@@ -45,10 +46,10 @@ class Driver:
     """Whether an error says a table or column the statement names does not exist."""
 
 
-_store_errors = Children(STORE_ERRORS)
+_store_errors = counts(STORE_ERRORS)
 # One log per statement kind, so a failing admin read cannot hide why reserves fail.
 _store_degradations: dict[str, DegradationLog] = {}
-_store_latency = Children(STORE_LATENCY)
+_store_latency = observations(STORE_LATENCY)
 
 
 def _unavailable(exc: BaseException, driver: Driver) -> StoreUnavailable:

@@ -19,7 +19,6 @@ import importlib.metadata
 import os
 import platform
 from collections.abc import Iterable, Iterator
-from typing import Generic, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -43,8 +42,6 @@ PREFIX = "idempotency_gateway_"
 # A ``_created`` series per child doubles the series count and means nothing to the alerts;
 # multiprocess scrapes never have them, so a single process must not either.
 disable_created_metrics()  # type: ignore[no-untyped-call]
-
-M = TypeVar("M", Counter, Gauge, Histogram)
 
 # Proxy latencies: sub-millisecond replays up to the 30 s default deadline.
 _REQUEST_BUCKETS = (
@@ -275,20 +272,3 @@ def exposition() -> tuple[bytes, str]:
     from prometheus_client import REGISTRY
 
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
-
-
-class Children(Generic[M]):
-    """``metric.labels(*values)`` looked up once per label combination, not per request.
-
-    Safe to keep forever only because every label here is bounded (config names, enums).
-    """
-
-    def __init__(self, metric: M) -> None:
-        self._metric: M = metric
-        self._children: dict[tuple[str, ...], M] = {}
-
-    def __call__(self, *values: str) -> M:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._metric.labels(*values)
-        return child

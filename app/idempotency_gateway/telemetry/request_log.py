@@ -11,6 +11,8 @@ a key or a body: the scope is its hash, the path is logged but never a metric la
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -20,8 +22,9 @@ from idempotency_gateway.errors import UnexpectedError
 from idempotency_gateway.problems import send_problem
 from idempotency_gateway.request_id import REQUEST_ID_HEADER, ensure_request_id
 from idempotency_gateway.telemetry import tracing
+from idempotency_gateway.telemetry.iteration_metrics import counts, observations
 from idempotency_gateway.telemetry.logs import current_request_id
-from idempotency_gateway.telemetry.metrics import REQUEST_DURATION, REQUESTS, Children
+from idempotency_gateway.telemetry.metrics import REQUEST_DURATION, REQUESTS
 
 log = logging.getLogger("idempotency_gateway.access")
 _log = logging.getLogger(__name__)
@@ -81,8 +84,8 @@ def status_class(status: int | None) -> str:
     return "none" if status is None else f"{status // 100}xx"
 
 
-_requests = Children(REQUESTS)
-_durations = Children(REQUEST_DURATION)
+_requests = counts(REQUESTS)
+_durations = observations(REQUEST_DURATION)
 
 
 class AccessLogMiddleware:
@@ -155,10 +158,42 @@ def end_request_span(span: tracing.Span, entry: RequestLog) -> None:
 
 
 def write_access_line(entry: RequestLog) -> None:
-    """``log.info("request", extra={"request": entry})`` without logging's stack walk for
-    the caller's file and line: the access line's origin is always this function."""
+    """``log.info("request", extra={"request": entry})``, on a record copied from this
+    thread's template: a real ``LogRecord`` for every handler and filter, without the stack
+    walk for the caller's file and line (always this function) and the dozen lookups
+    ``LogRecord.__init__`` repeats for every line (a third of its cost, measured)."""
     if log.isEnabledFor(logging.INFO):
-        record = log.makeRecord(
-            log.name, logging.INFO, __file__, 0, "request", (), None, extra={"request": entry}
-        )
-        log.handle(record)
+        log.handle(_records.access_record(entry))
+
+
+class _AccessRecords(threading.local):
+    """Per thread: the access line's record with everything that stays the same filled in
+    (logger, level, message, origin, process, thread), built by ``LogRecord`` itself."""
+
+    def __init__(self) -> None:
+        template = log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None)
+        self.fields = dict(vars(template))
+        # ``relativeCreated`` counts from when logging started.
+        self.logging_started = template.created - template.relativeCreated / 1000
+
+    def access_record(self, entry: RequestLog) -> logging.LogRecord:
+        record = logging.LogRecord.__new__(logging.LogRecord)
+        fields = record.__dict__
+        fields.update(self.fields)
+        created = time.time()
+        fields["created"] = created
+        fields["msecs"] = int((created - int(created)) * 1000) + 0.0
+        fields["relativeCreated"] = (created - self.logging_started) * 1000
+        fields["request"] = entry
+        return record
+
+
+_records = _AccessRecords()
+
+
+def _forget_parent_records() -> None:
+    global _records  # a forked child's records must carry its own process id
+    _records = _AccessRecords()
+
+
+os.register_at_fork(after_in_child=_forget_parent_records)

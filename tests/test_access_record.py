@@ -1,0 +1,105 @@
+"""The access line's record is a whole ``LogRecord``: what ``Logger.makeRecord`` would give,
+with this moment's time and this process's id (a forked child's too), for any handler."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from idempotency_gateway.telemetry import request_log
+from idempotency_gateway.telemetry.request_log import RequestLog, write_access_line
+
+ACCESS = logging.getLogger("idempotency_gateway.access")
+
+
+class Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def captured() -> Iterator[Capture]:
+    capture = Capture()
+    level = ACCESS.level
+    ACCESS.addHandler(capture)
+    ACCESS.setLevel(logging.INFO)
+    try:
+        yield capture
+    finally:
+        ACCESS.removeHandler(capture)
+        ACCESS.setLevel(level)
+
+
+def entry() -> RequestLog:
+    return RequestLog("req-1", "POST", "/v1/charges", route="charges", status=201)
+
+
+def test_the_record_is_what_make_record_gives_at_this_moment(captured: Capture) -> None:
+    before = time.time()
+    write_access_line(entry())
+    after = time.time()
+    expected = ACCESS.makeRecord(
+        ACCESS.name,
+        logging.INFO,
+        request_log.__file__,
+        0,
+        "request",
+        (),
+        None,
+        extra={"request": entry()},
+    )
+
+    (record,) = captured.records
+    assert isinstance(record, logging.LogRecord)
+    timing = {"created", "msecs", "relativeCreated"}
+    formatted = {"message", "asctime"}  # added by whichever formatter saw it first
+    assert vars(record).keys() - formatted == vars(expected).keys()
+    for name in vars(expected).keys() - timing:
+        assert getattr(record, name) == getattr(expected, name), name
+    assert before <= record.created <= after
+    assert record.msecs == int((record.created - int(record.created)) * 1000)
+    assert record.process == os.getpid()
+    assert record.thread == threading.get_ident()
+    started = expected.created - expected.relativeCreated / 1000
+    assert record.relativeCreated == pytest.approx((record.created - started) * 1000, abs=1)
+    assert record.getMessage() == "request"
+
+
+def test_records_from_another_thread_name_that_thread(captured: Capture) -> None:
+    worker = threading.Thread(target=write_access_line, args=(entry(),), name="other-loop")
+    worker.start()
+    worker.join()
+    write_access_line(entry())
+
+    assert [record.threadName for record in captured.records] == [
+        "other-loop",
+        threading.current_thread().name,
+    ]
+
+
+def test_a_forked_child_writes_its_own_process_id(captured: Capture) -> None:
+    write_access_line(entry())  # the parent's records are set up before the fork
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            captured.records.clear()
+            write_access_line(entry())
+            os.write(write_end, str(captured.records[0].process).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    reported = os.read(read_end, 64).decode()
+    os.close(read_end)
+    os.waitpid(child, 0)
+
+    assert int(reported) == child

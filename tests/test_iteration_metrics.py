@@ -1,0 +1,136 @@
+"""Request metrics are written once per loop iteration, and say what writing each one would.
+
+A scrape sees the sums of every iteration that ended before it; the samples equal those of a
+histogram and a counter that observed each value on its own (property-tested over values on,
+between and beyond the bucket bounds); with no loop running, a value is written at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from idempotency_gateway.telemetry.iteration_metrics import counts, observations
+
+BUCKETS = (0.001, 0.01, 0.1, 1.0)
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in registry.collect()
+        for sample in family.samples
+    }
+
+
+def metric_pair(
+    registry: CollectorRegistry,
+) -> tuple[Counter, Histogram]:
+    counter = Counter("requests_total", "requests", ["route"], registry=registry)
+    histogram = Histogram(
+        "request_seconds", "durations", ["route"], buckets=BUCKETS, registry=registry
+    )
+    return counter, histogram
+
+
+async def iteration_end() -> None:
+    """Done once the callbacks the current iteration scheduled have run."""
+    done = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_soon(done.set_result, None)
+    await done
+
+
+async def test_an_iterations_values_are_written_after_it_not_before() -> None:
+    registry = CollectorRegistry()
+    counter, histogram = metric_pair(registry)
+    count = counts(counter)("charges")
+    observe = observations(histogram)("charges")
+
+    for _ in range(32):
+        count.inc()
+        observe.observe(0.005)
+    before = samples(registry)
+    await iteration_end()
+    after = samples(registry)
+
+    route = (("route", "charges"),)
+    assert before[("requests_total", route)] == 0
+    assert before[("request_seconds_count", route)] == 0
+    assert after[("requests_total", route)] == 32
+    assert after[("request_seconds_count", route)] == 32
+    assert after[("request_seconds_bucket", (("le", "0.01"), *route))] == 32
+    assert after[("request_seconds_bucket", (("le", "0.001"), *route))] == 0
+
+
+async def test_each_series_is_written_once_per_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = CollectorRegistry()
+    _, histogram = metric_pair(registry)
+    child = histogram.labels("charges")
+    writes: list[float] = []
+    for part in (child._sum, *child._buckets):
+        original = part.inc
+
+        def counted(amount: float, *, original: Any = original) -> None:
+            writes.append(amount)
+            original(amount)
+
+        monkeypatch.setattr(part, "inc", counted)
+
+    observe = observations(histogram)("charges")
+    for value in (0.0005, 0.005, 0.005, 0.05, 5.0):
+        observe.observe(value)
+    await iteration_end()
+
+    # The sum, then one write per bucket the values fell in (four buckets, five values).
+    assert len(writes) == 1 + 4
+    assert math.isclose(writes[0], 0.0605 + 5.0)
+
+
+def test_without_a_running_loop_a_value_is_written_at_once() -> None:
+    registry = CollectorRegistry()
+    counter, histogram = metric_pair(registry)
+    counts(counter)("admin").inc(2)
+    observations(histogram)("admin").observe(0.5)
+    written = samples(registry)
+    assert written[("requests_total", (("route", "admin"),))] == 2
+    assert written[("request_seconds_sum", (("route", "admin"),))] == 0.5
+
+
+values = st.lists(
+    st.one_of(
+        st.sampled_from([0.0, *BUCKETS, -1.0, 1e9, math.inf]),
+        st.floats(min_value=-10, max_value=10, allow_nan=False),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@given(values=values)
+def test_written_together_the_samples_equal_observing_each_value_alone(values: list[float]) -> None:
+    alone, together = CollectorRegistry(), CollectorRegistry()
+    counter_alone, histogram_alone = metric_pair(alone)
+    counter_together, histogram_together = metric_pair(together)
+    for value in values:
+        histogram_alone.labels("r").observe(value)
+        counter_alone.labels("r").inc()
+
+    async def in_one_iteration() -> None:
+        count, observe = counts(counter_together)("r"), observations(histogram_together)("r")
+        for value in values:
+            observe.observe(value)
+            count.inc()
+        await iteration_end()
+
+    asyncio.run(in_one_iteration())
+
+    expected, got = samples(alone), samples(together)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert math.isclose(got[name], value, rel_tol=1e-9, abs_tol=1e-9), name
