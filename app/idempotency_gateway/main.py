@@ -61,6 +61,7 @@ from idempotency_gateway.routing import RouteRequests, check_routes
 from idempotency_gateway.server.heap import settle_after_startup
 from idempotency_gateway.storage.backends import open_store
 from idempotency_gateway.telemetry import tracing
+from idempotency_gateway.telemetry.iteration_metrics import write_pending
 from idempotency_gateway.telemetry.loop_lag import LoopLagMonitor
 from idempotency_gateway.telemetry.metrics import (
     BREAKER_STATE,
@@ -267,6 +268,9 @@ class Gateway:
         await self.store.close()
         if self.config.tracing.enabled:
             tracing.disable()
+        # The last requests' metrics are due at the end of this iteration; the loop may not
+        # run another.
+        write_pending()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
