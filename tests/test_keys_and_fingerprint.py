@@ -1,6 +1,7 @@
 """The key parser accepts exactly what contract section 3 allows, the scope never reveals or
-mixes up credentials, and the request fingerprint tells a faithful retry from a different
-request without ever raising on a hostile body."""
+mixes up credentials, the request fingerprint tells a faithful retry from a different
+request without ever raising on a hostile body, and a key's cache entry keeps the name
+earlier releases gave it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from idempotency_gateway.idempotency.keys import (
     parse_idempotency_key,
     tenant_of,
 )
+from idempotency_gateway.replay.cache import cache_key
+from idempotency_gateway.storage.records import RecordKey
 
 KEY_HEADER = b"idempotency-key"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -491,3 +494,28 @@ def test_unconfigured_headers_do_not_change_the_hash() -> None:
     ]
 
     assert fingerprint(headers=noisy) == fingerprint()
+
+
+def field_by_field_cache_digest(key: RecordKey) -> str:
+    """How earlier releases named a key's cache entry: entries they wrote must still be found."""
+    digest = hashlib.sha256()
+    for part in (key.tenant, key.operation, key.idempotency_key):
+        encoded = part.encode()
+        digest.update(len(encoded).to_bytes(4, "big") + encoded)
+    return digest.hexdigest()
+
+
+@given(tenant=st.text(max_size=70), operation=st.text(max_size=40), key=st.text(max_size=80))
+def test_a_cache_entry_keeps_the_name_earlier_releases_gave_it(
+    tenant: str, operation: str, key: str
+) -> None:
+    record_key = RecordKey(tenant, operation, key)
+    digest = field_by_field_cache_digest(record_key)
+    assert cache_key(record_key) == f"idgw:r:{{{digest}}}"
+    assert cache_key(record_key, prefix="idgw:w:") == f"idgw:w:{{{digest}}}"
+
+
+def test_a_cache_entrys_name_is_pinned() -> None:
+    assert cache_key(RecordKey("tenant-a", "POST /v1/charges", "key-1")) == (
+        "idgw:r:{e5bde7df9321830c5e09b525cf845157818c207f75f60b8620523c98dc09a10c}"
+    )

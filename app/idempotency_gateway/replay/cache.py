@@ -14,6 +14,7 @@ Redis gets that remaining life as a relative TTL (``PX``) and judges it on its o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections import OrderedDict
@@ -85,11 +86,18 @@ def expiry_of(record: Record, *, now: datetime, asked_at: float) -> float:
 def cache_key(key: RecordKey, *, prefix: str = "idgw:r:") -> str:
     """A fixed-length name: client-chosen keys never shape the cache's key space. The digest
     is a Redis Cluster hash tag, so a key's entry and its wake-up channel share a slot."""
-    digest = hashlib.sha256()
-    for part in (key.tenant, key.operation, key.idempotency_key):
-        encoded = part.encode()
-        digest.update(len(encoded).to_bytes(4, "big") + encoded)
-    return f"{prefix}{{{digest.hexdigest()}}}"
+    return f"{prefix}{{{_key_digest(key.tenant, key.operation, key.idempotency_key)}}}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_digest(*parts: str) -> str:
+    """Each part length-prefixed, so no two keys' parts run together into the same bytes.
+    Remembered: a new key asks for it three times (lookup, entry, wake-up channel) and every
+    replay of a key again."""
+    encoded = [part.encode() for part in parts]
+    return hashlib.sha256(
+        b"".join([len(part).to_bytes(4, "big") + part for part in encoded])
+    ).hexdigest()
 
 
 def encode(answer: CachedAnswer) -> bytes:
