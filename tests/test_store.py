@@ -302,6 +302,8 @@ async def test_finalize_stores_status_headers_and_body_byte_exact(
         ("set-cookie", "a=1"),
         ("set-cookie", "b=2"),
         ("x-request-id", "req-1"),
+        # obs-text as the capture keeps it (latin-1 decoded): every byte value back as it was.
+        ("x-customer-name", bytes(range(0x80, 0x100)).decode("latin-1") + ' "\\ \t'),
     ]
     answer = StoredResponse(status=201, headers=headers, body=body)
 

@@ -11,7 +11,6 @@ imports this module, for a ``postgresql://`` URL: it is the one place asyncpg is
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import asyncpg
+import orjson
 from asyncpg.pool import PoolConnectionProxy
 
 from idempotency_gateway.clock import Clock
@@ -69,9 +69,15 @@ async def _keep_session(_connection: asyncpg.Connection) -> None:
     lock is transaction-scoped), and an open transaction is still rolled back by the pool."""
 
 
+def _json_text(value: object) -> str:
+    """JSON by orjson, a few times faster than the standard library's for a header list.
+    Stored headers are latin-1 decoded, so there is no lone surrogate for orjson to refuse."""
+    return orjson.dumps(value).decode()
+
+
 async def _decode_json(connection: asyncpg.Connection) -> None:
     await connection.set_type_codec(
-        "json", encoder=json.dumps, decoder=json.loads, schema="pg_catalog"
+        "json", encoder=_json_text, decoder=orjson.loads, schema="pg_catalog"
     )
 
 
@@ -279,7 +285,7 @@ class PostgresRecordStore(RecordStore):
                     o.fence.fencing_token,
                     o.status.value,
                     o.answer.status,
-                    None if o.answer.headers is None else json.dumps(o.answer.headers),
+                    None if o.answer.headers is None else _json_text(o.answer.headers),
                     o.answer.body,
                     o.answer.compressed,
                     o.answer.omitted,
