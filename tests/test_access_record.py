@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -103,3 +104,24 @@ def test_a_forked_child_writes_its_own_process_id(captured: Capture) -> None:
     os.waitpid(child, 0)
 
     assert int(reported) == child
+
+
+def test_an_applications_record_factory_builds_every_access_record(captured: Capture) -> None:
+    """A factory that stamps each record with a value of its moment (as log correlation
+    stamps the current trace id) sees every access line, not one copied from another."""
+    default = logging.getLogRecordFactory()
+    stamps = iter(range(1, 100))
+
+    def stamping(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = default(*args, **kwargs)
+        record.stamp = next(stamps)
+        return record
+
+    logging.setLogRecordFactory(stamping)
+    try:
+        write_access_line(entry())
+        write_access_line(entry())
+    finally:
+        logging.setLogRecordFactory(default)
+
+    assert [getattr(record, "stamp", None) for record in captured.records] == [1, 2]

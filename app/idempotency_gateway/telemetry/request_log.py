@@ -157,13 +157,23 @@ def end_request_span(span: tracing.Span, entry: RequestLog) -> None:
     span.end()
 
 
+# Logger name, level, origin (file, line), message, arguments, exception.
+_ACCESS_LINE = (log.name, logging.INFO, __file__, 0, "request", (), None)
+
+
 def write_access_line(entry: RequestLog) -> None:
     """``log.info("request", extra={"request": entry})``, on a record copied from this
     thread's template: a real ``LogRecord`` for every handler and filter, without the stack
     walk for the caller's file and line (always this function) and the dozen lookups
     ``LogRecord.__init__`` repeats for every line (a third of its cost, measured)."""
-    if log.isEnabledFor(logging.INFO):
-        log.handle(_records.access_record(entry))
+    if not log.isEnabledFor(logging.INFO):
+        return
+    if logging.getLogRecordFactory() is not logging.LogRecord:
+        # A factory of the application's own (OpenTelemetry's log correlation is one) puts
+        # values of the moment on each record: it must build every one.
+        log.handle(log.makeRecord(*_ACCESS_LINE, extra={"request": entry}))
+        return
+    log.handle(_records.access_record(entry))
 
 
 class _AccessRecords(threading.local):
@@ -171,7 +181,7 @@ class _AccessRecords(threading.local):
     (logger, level, message, origin, process, thread), built by ``LogRecord`` itself."""
 
     def __init__(self) -> None:
-        template = log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None)
+        template = logging.LogRecord(*_ACCESS_LINE)
         self.fields = dict(vars(template))
         # ``relativeCreated`` counts from when logging started.
         self.logging_started = template.created - template.relativeCreated / 1000
