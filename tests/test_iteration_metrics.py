@@ -134,3 +134,23 @@ def test_written_together_the_samples_equal_observing_each_value_alone(values: l
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         assert math.isclose(got[name], value, rel_tol=1e-9, abs_tol=1e-9), name
+
+
+def test_sums_left_by_a_loop_that_closed_first_are_written_by_the_next_one() -> None:
+    registry = CollectorRegistry()
+    counter, _ = metric_pair(registry)
+    count = counts(counter)("charges")
+
+    abandoned = asyncio.new_event_loop()
+    abandoned.call_soon(count.inc)  # its write is due on the next iteration
+    abandoned.call_soon(abandoned.stop)  # which never comes
+    abandoned.run_forever()
+    abandoned.close()
+    assert samples(registry)[("requests_total", (("route", "charges"),))] == 0
+
+    async def count_again() -> None:
+        count.inc()
+        await iteration_end()
+
+    asyncio.run(count_again())
+    assert samples(registry)[("requests_total", (("route", "charges"),))] == 2

@@ -33,7 +33,9 @@ class _Pending(threading.local):
     def __init__(self) -> None:
         self.counts: dict[Counter, float] = {}
         self.observations: dict[Histogram, list[float]] = {}
-        self.scheduled = False
+        # The loop a write is due on: one that closed before running it leaves the sums to
+        # the next loop of this thread, which schedules a write of its own.
+        self.due_on: asyncio.AbstractEventLoop | None = None
 
 
 _pending = _Pending()
@@ -41,20 +43,19 @@ _pending = _Pending()
 
 def _schedule() -> bool:
     """Whether a write at the end of this iteration is (now) due; False without a loop."""
-    if _pending.scheduled:
-        return True
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return False
-    loop.call_soon(write_pending)
-    _pending.scheduled = True
+    if _pending.due_on is not loop:
+        loop.call_soon(write_pending)
+        _pending.due_on = loop
     return True
 
 
 def write_pending() -> None:
     """Write this thread's sums into the metrics (their files, when multiprocess)."""
-    _pending.scheduled = False
+    _pending.due_on = None
     counts, _pending.counts = _pending.counts, {}
     observations, _pending.observations = _pending.observations, {}
     for counter, amount in counts.items():
