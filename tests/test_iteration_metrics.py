@@ -1,14 +1,22 @@
 """Request metrics are written once per loop iteration, and say what writing each one would.
 
-A scrape sees the sums of every iteration that ended before it; the samples equal those of a
-histogram and a counter that observed each value on its own (property-tested over values on,
-between and beyond the bucket bounds); with no loop running, a value is written at once.
+With multiprocess values (as ``serve`` runs) a scrape sees the sums of every iteration that
+ended before it; the samples equal those of a histogram and a counter that observed each
+value on its own (property-tested over values on, between and beyond the bucket bounds); with
+no loop running, a value is written at once. With in-memory values (library mode) every value
+is written at once, so a reader in another thread never sees a request late.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,9 +24,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from idempotency_gateway.telemetry import iteration_metrics
 from idempotency_gateway.telemetry.iteration_metrics import counts, observations
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
+
+
+@contextmanager
+def as_in_a_serve_worker() -> Iterator[None]:
+    """Batched, as with the multiprocess values every ``serve`` worker has (this test
+    process's values are in memory)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(iteration_metrics, "BATCHED", True)
+        yield
+
+
+@pytest.fixture
+def batched() -> Iterator[None]:
+    with as_in_a_serve_worker():
+        yield
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -46,6 +70,7 @@ async def iteration_end() -> None:
     await done
 
 
+@pytest.mark.usefixtures("batched")
 async def test_an_iterations_values_are_written_after_it_not_before() -> None:
     registry = CollectorRegistry()
     counter, histogram = metric_pair(registry)
@@ -68,6 +93,7 @@ async def test_an_iterations_values_are_written_after_it_not_before() -> None:
     assert after[("request_seconds_bucket", (("le", "0.001"), *route))] == 0
 
 
+@pytest.mark.usefixtures("batched")
 async def test_each_series_is_written_once_per_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
     registry = CollectorRegistry()
     _, histogram = metric_pair(registry)
@@ -128,7 +154,8 @@ def test_written_together_the_samples_equal_observing_each_value_alone(values: l
             count.inc()
         await iteration_end()
 
-    asyncio.run(in_one_iteration())
+    with as_in_a_serve_worker():
+        asyncio.run(in_one_iteration())
 
     expected, got = samples(alone), samples(together)
     assert got.keys() == expected.keys()
@@ -136,6 +163,7 @@ def test_written_together_the_samples_equal_observing_each_value_alone(values: l
         assert math.isclose(got[name], value, rel_tol=1e-9, abs_tol=1e-9), name
 
 
+@pytest.mark.usefixtures("batched")
 def test_sums_left_by_a_loop_that_closed_first_are_written_by_the_next_one() -> None:
     registry = CollectorRegistry()
     counter, _ = metric_pair(registry)
@@ -154,3 +182,58 @@ def test_sums_left_by_a_loop_that_closed_first_are_written_by_the_next_one() -> 
 
     asyncio.run(count_again())
     assert samples(registry)[("requests_total", (("route", "charges"),))] == 2
+
+
+async def test_with_in_memory_values_a_value_is_written_at_once_even_in_a_loop() -> None:
+    assert iteration_metrics.BATCHED is False  # this process has no multiprocess directory
+    registry = CollectorRegistry()
+    counter, histogram = metric_pair(registry)
+    counts(counter)("charges").inc()
+    observations(histogram)("charges").observe(0.005)
+    written = samples(registry)
+    assert written[("requests_total", (("route", "charges"),))] == 1
+    assert written[("request_seconds_count", (("route", "charges"),))] == 1
+
+
+@pytest.mark.parametrize("multiprocess", [True, False])
+def test_writes_are_batched_exactly_when_values_are_multiprocess(
+    multiprocess: bool, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    if multiprocess:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    code = "from idempotency_gateway.telemetry import iteration_metrics as m; print(m.BATCHED)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == str(multiprocess)
+
+
+@pytest.mark.usefixtures("batched")
+def test_a_forked_child_does_not_write_its_parents_sums_again() -> None:
+    registry = CollectorRegistry()
+    counter, _ = metric_pair(registry)
+    count = counts(counter)("charges")
+    read_end, write_end = os.pipe()
+
+    async def count_then_fork() -> int:
+        count.inc()  # pending until this iteration ends
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                iteration_metrics.write_pending()
+                written = samples(registry)[("requests_total", (("route", "charges"),))]
+                os.write(write_end, str(written).encode())
+            finally:
+                os._exit(0)
+        await iteration_end()
+        return child
+
+    child = asyncio.run(count_then_fork())
+    os.close(write_end)
+    reported = os.read(read_end, 64).decode()
+    os.close(read_end)
+    os.waitpid(child, 0)
+
+    assert float(reported) == 0
+    assert samples(registry)[("requests_total", (("route", "charges"),))] == 1

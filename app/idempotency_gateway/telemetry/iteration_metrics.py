@@ -9,8 +9,11 @@ sum kept in this thread; the sums are written after the loop iteration's other c
 histogram's observations are written as one addition to its sum and one to each bucket they
 fell in, which is what observing them one by one would have written.
 
-Nothing waits for a timer: a scrape, which arrives in a later iteration, sees every request
-that ended before it. With no event loop running in the thread, a value is written at once.
+Nothing waits for a timer: a scrape served by the same loop arrives in a later iteration and
+sees every request that ended before it; a reader in another thread or process may see a
+request one iteration late. With no event loop running in the thread, a value is written at
+once, and so it is without multiprocess values (library mode, one process): there a write is
+an addition under a lock, too cheap to be worth that lateness.
 Only bounded series pass through here (``Children`` of the families in ``metrics``).
 """
 
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import os
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from prometheus_client import Counter, Histogram
+from prometheus_client import values as prometheus_values
 
 M = TypeVar("M", Counter, Histogram)
 
@@ -40,9 +45,24 @@ class _Pending(threading.local):
 
 _pending = _Pending()
 
+# prometheus-client chose its values when it was imported: memory-mapped files only when
+# ``PROMETHEUS_MULTIPROC_DIR`` was set.
+BATCHED = prometheus_values.ValueClass is not prometheus_values.MutexValue
+
+
+def _forget_parent_sums() -> None:
+    global _pending  # the parent writes its own sums; a forked child must not write them again
+    _pending = _Pending()
+
+
+os.register_at_fork(after_in_child=_forget_parent_sums)
+
 
 def _schedule() -> bool:
-    """Whether a write at the end of this iteration is (now) due; False without a loop."""
+    """Whether a write at the end of this iteration is (now) due; False without a loop, or
+    without multiprocess values."""
+    if not BATCHED:
+        return False
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
