@@ -207,6 +207,8 @@ def test_writes_are_batched_exactly_when_values_are_multiprocess(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == str(multiprocess)
+    # Importing it writes no series of its own into the workers' metric files.
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.usefixtures("batched")

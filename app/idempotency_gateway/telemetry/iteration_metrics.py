@@ -85,32 +85,27 @@ def write_pending() -> None:
 
 
 def _observe_all(histogram: Histogram, values: list[float]) -> None:
-    if len(values) == 1 or not _HISTOGRAM_PARTS:
-        for value in values:
-            histogram.observe(value)
-        return
-    # The parts ``Histogram.observe`` itself writes: the sum, and the first bucket whose
-    # upper bound the value does not exceed (the exposition accumulates them).
-    bounds: list[float] = histogram._upper_bounds
-    buckets = histogram._buckets
-    histogram._sum.inc(sum(values))
-    per_bucket: dict[int, int] = {}
+    if len(values) > 1:
+        try:
+            # The parts ``Histogram.observe`` itself writes: the sum, and the first bucket
+            # whose upper bound the value does not exceed (the exposition accumulates them).
+            bounds: list[float] = histogram._upper_bounds
+            buckets = histogram._buckets
+            total = histogram._sum
+        except AttributeError:
+            pass  # a prometheus-client that keeps them elsewhere: one by one, as before
+        else:
+            total.inc(sum(values))
+            per_bucket: dict[int, int] = {}
+            for value in values:
+                index = bisect.bisect_left(bounds, value)
+                if index < len(bounds) and value <= bounds[index]:  # never true of NaN, as there
+                    per_bucket[index] = per_bucket.get(index, 0) + 1
+            for index, count in per_bucket.items():
+                buckets[index].inc(count)
+            return
     for value in values:
-        index = bisect.bisect_left(bounds, value)
-        if index < len(bounds) and value <= bounds[index]:  # never true of NaN, as there
-            per_bucket[index] = per_bucket.get(index, 0) + 1
-    for index, count in per_bucket.items():
-        buckets[index].inc(count)
-
-
-def _has_histogram_parts() -> bool:
-    """Whether this prometheus-client keeps a histogram's parts where ``_observe_all`` looks;
-    if a release moves them, observations are written one by one, as before."""
-    probe = Histogram("probe_seconds", "probe", registry=None, buckets=(1.0,))
-    return all(hasattr(probe, part) for part in ("_upper_bounds", "_buckets", "_sum"))
-
-
-_HISTOGRAM_PARTS = _has_histogram_parts()
+        histogram.observe(value)
 
 
 class CountOnce:
