@@ -36,11 +36,16 @@ class _Pending(threading.local):
     """This thread's sums since its loop's last write; a dict keeps first-seen order."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
         self.counts: dict[Counter, float] = {}
         self.observations: dict[Histogram, list[float]] = {}
         # The loop a write is due on: one that closed before running it leaves the sums to
         # the next loop of this thread, which schedules a write of its own.
         self.due_on: asyncio.AbstractEventLoop | None = None
+        # A forked child inherits its parent's sums, which the parent writes itself.
+        self.pid = os.getpid()
 
 
 _pending = _Pending()
@@ -48,14 +53,6 @@ _pending = _Pending()
 # prometheus-client chose its values when it was imported: memory-mapped files only when
 # ``PROMETHEUS_MULTIPROC_DIR`` was set.
 BATCHED = prometheus_values.ValueClass is not prometheus_values.MutexValue
-
-
-def _forget_parent_sums() -> None:
-    global _pending  # the parent writes its own sums; a forked child must not write them again
-    _pending = _Pending()
-
-
-os.register_at_fork(after_in_child=_forget_parent_sums)
 
 
 def _schedule() -> bool:
@@ -76,6 +73,9 @@ def _schedule() -> bool:
 def write_pending() -> None:
     """Write this thread's sums into the metrics (their files, when multiprocess)."""
     _pending.due_on = None
+    if _pending.pid != os.getpid():
+        _pending.forget()
+        return
     counts, _pending.counts = _pending.counts, {}
     observations, _pending.observations = _pending.observations, {}
     for counter, amount in counts.items():
