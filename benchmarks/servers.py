@@ -59,6 +59,10 @@ class RunContext:
     nginx: str | None  # path of the nginx binary when it is used
 
     upstream_port: int = 0
+    # What the servers under test run under (``valgrind ...`` for instruction counts) and how
+    # long they may take to answer once started; the upstream never runs under it.
+    launcher: tuple[str, ...] = ()
+    start_timeout: float = 30.0
 
     @property
     def upstream_url(self) -> str:
@@ -228,9 +232,9 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
         wait_until_answers(process, port, "/small")
     elif spec.kind == "asgi-app":
         env = clean_environment({"BENCH_UPSTREAM_URL": ctx.upstream_url})
-        argv = _asgi_argv(spec.asgi_server, spec.app, port)
+        argv = [*ctx.launcher, *_asgi_argv(spec.asgi_server, spec.app, port)]
         process = spawn(spec.id, argv, log_dir=ctx.log_dir, env=env, cwd=REPO, ports=(port,))
-        wait_until_answers(process, port, "/small")
+        wait_until_answers(process, port, "/small", timeout=ctx.start_timeout)
     elif spec.kind == "gateway":
         admin_port = free_port()
         variables = {
@@ -241,7 +245,7 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
             assert ctx.redis_url is not None
             variables["GATEWAY_REDIS_URL"] = ctx.redis_url
         argv = [
-            venv_tool("idempotency-gateway"), "serve",
+            *ctx.launcher, venv_tool("idempotency-gateway"), "serve",
             "--config", str(_gateway_config(ctx, spec)),
             "--port", str(port), "--admin-port", str(admin_port),
             # The default log level: the access line an operator keeps on is part of the cost.
@@ -255,14 +259,14 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
             cwd=ctx.work_dir,
             ports=(port, admin_port),
         )
-        wait_until_answers(process, admin_port, "/readyz")
-        wait_until_answers(process, port, "/small")
+        wait_until_answers(process, admin_port, "/readyz", timeout=ctx.start_timeout)
+        wait_until_answers(process, port, "/small", timeout=ctx.start_timeout)
         return RunningServer(spec, process, port, admin_port)
     elif spec.kind == "library":
         variables = {"BENCH_LIBRARY": spec.library, "BENCH_DATABASE_URL": ctx.database_url}
         if ctx.redis_url is not None:
             variables["BENCH_REDIS_URL"] = ctx.redis_url
-        argv = _asgi_argv("uvicorn", "benchmarks.library_app:api", port)
+        argv = [*ctx.launcher, *_asgi_argv("uvicorn", "benchmarks.library_app:api", port)]
         process = spawn(
             spec.id,
             argv,
@@ -271,7 +275,7 @@ def start_server(spec: ServerSpec, ctx: RunContext) -> RunningServer:
             cwd=REPO,
             ports=(port,),
         )
-        wait_until_answers(process, port, "/openapi.json")
+        wait_until_answers(process, port, "/openapi.json", timeout=ctx.start_timeout)
     else:
         raise ValueError(f"not a server kind that start_server starts: {spec.kind}")
     return RunningServer(spec, process, port)

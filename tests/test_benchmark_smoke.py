@@ -72,3 +72,32 @@ def test_the_in_process_cost_harness_runs_every_scenario() -> None:
     }
     assert costs.keys() == {"pass", "replay", "new"}, done.stdout
     assert all(cost > 0 for cost in costs.values()), done.stdout
+
+
+def test_instruction_counts_come_from_every_process_of_the_server(
+    postgres_url: str, redis_url: str
+) -> None:
+    """``benchmarks.instructions``: a gateway under callgrind, briefly; ``serve`` and its
+    worker are counted through the process tree (valgrind makes this test take a minute)."""
+    command = [
+        sys.executable, "-m", "benchmarks.instructions",
+        "--scenarios", "gw1-pass", "--baseline", "gw1-pass",
+        "--seconds", "1", "--warmup", "1", "--connections", "2",
+        "--builtin-loadgen", "--postgres-url", postgres_url, "--redis-url", redis_url,
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {
+        cells[0].strip("`"): cells
+        for line in done.stdout.splitlines()
+        if line.startswith("| `")
+        for cells in [[cell.strip() for cell in line.strip().strip("|").split("|")]]
+    }
+    assert rows.keys() == {"gw1-pass"}, done.stdout
+    cells = rows["gw1-pass"]
+    assert int(cells[2].replace(",", "")) > 0, cells  # answers, none failed
+    # Thousands of instructions per request: the worker alone runs hundreds of thousands, so
+    # a count this low means its dump was missed (the process tree or the dump's name).
+    assert float(cells[3].removesuffix(" k").replace(",", "")) > 100, cells
