@@ -118,6 +118,35 @@ async def test_each_series_is_written_once_per_iteration(monkeypatch: pytest.Mon
     assert math.isclose(writes[0], 0.0605 + 5.0)
 
 
+@pytest.mark.usefixtures("batched")
+async def test_the_running_loop_is_asked_for_once_per_iteration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry = CollectorRegistry()
+    counter, histogram = metric_pair(registry)
+    count = counts(counter)("charges")
+    observe = observations(histogram)("charges")
+    await iteration_end()  # nothing of an earlier test's left due
+    loop = asyncio.get_running_loop()
+    asked: list[None] = []
+
+    def counted() -> asyncio.AbstractEventLoop:
+        asked.append(None)
+        return loop
+
+    monkeypatch.setattr(iteration_metrics.asyncio, "get_running_loop", counted)
+    for _ in range(2):
+        for _ in range(16):
+            count.inc()
+            observe.observe(0.005)
+        done = loop.create_future()  # iteration_end without asking for the loop
+        loop.call_soon(done.set_result, None)
+        await done
+
+    assert len(asked) == 2  # once per iteration, not once per value (a system call each)
+    assert samples(registry)[("requests_total", (("route", "charges"),))] == 32
+
+
 def test_without_a_running_loop_a_value_is_written_at_once() -> None:
     registry = CollectorRegistry()
     counter, histogram = metric_pair(registry)
