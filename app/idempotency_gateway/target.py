@@ -160,14 +160,19 @@ def _canonical_target(scope: Scope, route_for: RouteFinder | None) -> RequestTar
     return RequestTarget(path, scope.get("query_string", b""), route)
 
 
+def known_target(scope: Scope) -> RequestTarget | None:
+    """The canonical target a layer outside already stored, or ``None`` (none computed it)."""
+    target = scope.get("state", {}).get(STATE_KEY)
+    return target if isinstance(target, RequestTarget) else None
+
+
 def target_of(scope: Scope, route_for: RouteFinder | None = None) -> RequestTarget:
     """The request's canonical target: the one the outermost layer stored, or computed now
     (``IdempotencyMiddleware`` in a user's app has no gateway layer around it). ``route_for``
     matches the route of a target computed now, so it is built once, with its route."""
-    state = scope.setdefault("state", {})
-    target = state.get(STATE_KEY)
-    if not isinstance(target, RequestTarget):
-        target = state[STATE_KEY] = _canonical_target(scope, route_for)
+    target = known_target(scope)
+    if target is None:
+        target = scope.setdefault("state", {})[STATE_KEY] = _canonical_target(scope, route_for)
     return target
 
 

@@ -60,7 +60,7 @@ from idempotency_gateway.replay.wakeups import LocalWakeups, Wakeups
 from idempotency_gateway.request_id import request_id_of
 from idempotency_gateway.storage.base import RecordStore
 from idempotency_gateway.storage.records import OPERATION_MAX_LENGTH, RecordKey
-from idempotency_gateway.target import RequestTarget, target_or_refuse
+from idempotency_gateway.target import RequestTarget, known_target, target_or_refuse
 from idempotency_gateway.telemetry.request_log import AccessLogMiddleware, request_log_of
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,18 @@ class IdempotencyMiddleware:
         if self.request_log and request_log_of(scope) is None:
             await self.access_log(scope, receive, send)
             return
+        target = known_target(scope)
+        if target is not None and self._covering_policy(scope, target) is None:
+            # Most traffic: a route or method this layer does not protect, its target already
+            # refused or accepted outside. Straight through, with nothing to report.
+            await self.app(scope, receive, send)
+            return
         await self._dispatch(scope, receive, send)
+
+    def _covering_policy(self, scope: Scope, target: RequestTarget) -> RoutePolicy | None:
+        """The policy that protects this request; ``None``: it passes through untouched."""
+        policy = self._policy(scope, target)
+        return policy if policy is not None and policy.covers(scope["method"]) else None
 
     def _policy(self, scope: Scope, target: RequestTarget) -> RoutePolicy | None:
         marked = self.route_markers(scope)
@@ -203,8 +214,8 @@ class IdempotencyMiddleware:
         if target is None:
             report.verdict = Verdict.REJECTED
             return None
-        policy = self._policy(scope, target)
-        if policy is None or not policy.covers(scope["method"]):
+        policy = self._covering_policy(scope, target)
+        if policy is None:
             await self.app(scope, receive, send)
             return None
         report.route = policy.name
