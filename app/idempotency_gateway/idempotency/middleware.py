@@ -177,12 +177,16 @@ class IdempotencyMiddleware:
             await self.access_log(scope, receive, send)
             return
         target = known_target(scope)
-        if target is not None and self._covering_policy(scope, target) is None:
+        if target is None:
+            await self._dispatch(scope, receive, send)
+            return
+        policy = self._covering_policy(scope, target)
+        if policy is None:
             # Most traffic: a route or method this layer does not protect, its target already
             # refused or accepted outside. Straight through, with nothing to report.
             await self.app(scope, receive, send)
             return
-        await self._dispatch(scope, receive, send)
+        await self._dispatch(scope, receive, send, (target, policy))
 
     def _covering_policy(self, scope: Scope, target: RequestTarget) -> RoutePolicy | None:
         """The policy that protects this request; ``None``: it passes through untouched."""
@@ -195,10 +199,18 @@ class IdempotencyMiddleware:
             return marked
         return self.policy_for(target)
 
-    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _dispatch(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        covered: tuple[RequestTarget, RoutePolicy] | None = None,
+    ) -> None:
+        """As an ASGI app (inside ``access_log``), or with the target and covering policy
+        ``__call__`` found."""
         report = Report()
         try:
-            unprotected = await self._guard(scope, receive, send, report)
+            unprotected = await self._guard(scope, receive, send, report, covered)
         finally:
             note_report(scope, report)
         if unprotected is not None:
@@ -206,18 +218,26 @@ class IdempotencyMiddleware:
             await self.app(scope, replay_receive(unprotected), send)
 
     async def _guard(
-        self, scope: Scope, receive: Receive, send: Send, report: Report
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        report: Report,
+        covered: tuple[RequestTarget, RoutePolicy] | None,
     ) -> bytes | None:
         """Answer the request, or return its body to pass it through unprotected (the store
         is down and the route fails open)."""
-        target = await target_or_refuse(scope, send)
-        if target is None:
-            report.verdict = Verdict.REJECTED
-            return None
-        policy = self._covering_policy(scope, target)
-        if policy is None:
-            await self.app(scope, receive, send)
-            return None
+        if covered is None:
+            target = await target_or_refuse(scope, send)
+            if target is None:
+                report.verdict = Verdict.REJECTED
+                return None
+            policy = self._covering_policy(scope, target)
+            if policy is None:
+                await self.app(scope, receive, send)
+                return None
+        else:
+            target, policy = covered
         report.route = policy.name
         try:
             return await self._protect(scope, receive, send, policy, target, report)
