@@ -60,19 +60,17 @@ def _schedule() -> bool:
     without multiprocess values."""
     if not BATCHED:
         return False
-    due_on = _pending.due_on
-    if due_on is not None and due_on.is_running():
-        # The loop this thread is running has the write queued. Not asked of asyncio each
-        # time: on Python 3.11 every ``get_running_loop`` is a ``getpid`` system call (its
-        # fork check), four per proxied request. A loop runs in one thread at a time, so a
-        # running ``due_on`` is this thread's.
-        return True
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return False
-    loop.call_soon(write_pending)
-    _pending.due_on = loop
+    if _pending.due_on is not loop:
+        if _pending.pid != os.getpid():
+            # A forked child's first write: its parent's sums are the parent's to write, the
+            # values this child adds from now on its own. Checked here, once per iteration.
+            _pending.forget()
+        loop.call_soon(write_pending)
+        _pending.due_on = loop
     return True
 
 
