@@ -14,7 +14,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from idempotency_gateway.telemetry import iteration_metrics
-from idempotency_gateway.telemetry.iteration_metrics import counts, observations
+from idempotency_gateway.telemetry.iteration_metrics import CountOnce, counts, observations
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 
@@ -211,19 +211,18 @@ def test_writes_are_batched_exactly_when_values_are_multiprocess(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.usefixtures("batched")
-def test_a_forked_child_does_not_write_its_parents_sums_again() -> None:
-    registry = CollectorRegistry()
-    counter, _ = metric_pair(registry)
-    count = counts(counter)("charges")
+def count_then_fork(registry: CollectorRegistry, in_child: Callable[[CountOnce], None]) -> float:
+    """Count once in a running loop, fork before the iteration ends, run ``in_child`` in the
+    child; returns the child's count of the series, then the parent writes its own."""
+    count = counts(metric_pair(registry)[0])("charges")
     read_end, write_end = os.pipe()
 
-    async def count_then_fork() -> int:
-        count.inc()  # pending until this iteration ends
+    async def count_and_fork() -> int:
+        count.inc()  # the parent's, pending until this iteration ends
         child = os.fork()
         if child == 0:  # pragma: no cover - the child reports through the pipe
             try:
-                iteration_metrics.write_pending()
+                in_child(count)
                 written = samples(registry)[("requests_total", (("route", "charges"),))]
                 os.write(write_end, str(written).encode())
             finally:
@@ -231,13 +230,22 @@ def test_a_forked_child_does_not_write_its_parents_sums_again() -> None:
         await iteration_end()
         return child
 
-    child = asyncio.run(count_then_fork())
+    child = asyncio.run(count_and_fork())
     os.close(write_end)
     reported = os.read(read_end, 64).decode()
     os.close(read_end)
     os.waitpid(child, 0)
+    return float(reported)
 
-    assert float(reported) == 0
+
+@pytest.mark.usefixtures("batched")
+def test_a_forked_child_does_not_write_its_parents_sums_again() -> None:
+    registry = CollectorRegistry()
+
+    def write(_: CountOnce) -> None:
+        iteration_metrics.write_pending()
+
+    assert count_then_fork(registry, write) == 0
     assert samples(registry)[("requests_total", (("route", "charges"),))] == 1
 
 
@@ -247,35 +255,15 @@ def test_a_child_forked_in_a_running_loop_writes_every_value_of_its_own() -> Non
     never runs again there; what the child counts in a loop of its own and with no loop is
     written, and the parent's sum is not."""
     registry = CollectorRegistry()
-    counter, _ = metric_pair(registry)
-    count = counts(counter)("charges")
-    read_end, write_end = os.pipe()
 
-    async def count_then_fork() -> int:
-        count.inc()  # the parent's, pending until this iteration ends
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child reports through the pipe
-            try:
+    def count_on(count: CountOnce) -> None:
+        async def serve() -> None:
+            for _ in range(3):
+                count.inc()
+                await iteration_end()
 
-                async def serve() -> None:
-                    for _ in range(3):
-                        count.inc()
-                        await iteration_end()
+        asyncio.run(serve())
+        count.inc()  # no loop running: written at once
 
-                asyncio.run(serve())
-                count.inc()  # no loop running: written at once
-                written = samples(registry)[("requests_total", (("route", "charges"),))]
-                os.write(write_end, str(written).encode())
-            finally:
-                os._exit(0)
-        await iteration_end()
-        return child
-
-    child = asyncio.run(count_then_fork())
-    os.close(write_end)
-    reported = os.read(read_end, 64).decode()
-    os.close(read_end)
-    os.waitpid(child, 0)
-
-    assert float(reported) == 4
+    assert count_then_fork(registry, count_on) == 4
     assert samples(registry)[("requests_total", (("route", "charges"),))] == 1
