@@ -110,3 +110,46 @@ def test_a_body_with_duplicate_keys_is_compared_as_bytes() -> None:
 
     assert fingerprint(duplicated) == fingerprint(duplicated)
     assert fingerprint(duplicated) != fingerprint(b'{"a":1,"a":2}')  # whitespace now counts
+
+
+_JSON = [(b"content-type", b"application/json")]
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "pinned"),
+    [
+        (
+            {"method": "POST", "path": b"/v1/charges", "query_string": b"", "headers": _JSON,
+             "body": b'{"amount": 100, "currency": "eur"}'},
+            "a439f40db4c96d95124590f12144b89152af2aaf86dff2c2ca1208e0101eeff6",
+        ),
+        (
+            {"method": "POST", "path": b"/v1/charges", "query_string": b"b=2&a=1&flag",
+             "headers": _JSON, "body": b'{"b":1,"a":[1.0,2e0]}'},
+            "e8fbbbf57a85f1b8b1fd958177d99a7dd5e543745534d0929f727b27d06f3493",
+        ),
+        (
+            {"method": "PATCH", "path": b"/v1/orders/7", "query_string": b"x=1;y=2",
+             "headers": [(b"content-type", b"text/plain")], "body": b"plain bytes"},
+            "082a1e0c9ad413eddea5afe49dcf448fb64799c25a8ff144f777bff3b5e16187",
+        ),
+        (
+            {"method": "POST", "path": b"/v1/charges", "query_string": b"",
+             "headers": [*_JSON, (b"x-tenant", b"t1")], "body": b"{}",
+             "extra_headers": (b"x-tenant",)},
+            "43a318cfa86d7bc78937dc5fe589d6a4cb9496f9b15fd4bc20851e81c0f8363b",
+        ),
+        (
+            {"method": "POST", "path": b"/", "query_string": b"", "headers": [], "body": b""},
+            "48a7ef42712552026eafc77579326cfa04eb195e38c39400be25c05f4b01e4b5",
+        ),
+    ],
+)  # fmt: skip
+def test_a_fingerprint_stays_what_earlier_versions_stored(
+    request_fields: dict[str, Any], pinned: str
+) -> None:
+    """Records outlive upgrades: a retry that reaches a newer gateway must hash as the
+    first attempt did under the older one, or it gets a false 422. Pinned values, computed
+    before any change to how the fingerprint is worked out: empty and ordered queries, one
+    compared as sent, canonical JSON, bytes, a chosen extra header, nothing at all."""
+    assert request_hash(**request_fields) == pinned

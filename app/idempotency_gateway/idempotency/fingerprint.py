@@ -212,12 +212,19 @@ def _listed(values: list[bytes]) -> bytes:
 
 
 def _field(digest: hashlib._Hash, value: bytes) -> None:
-    # Length-prefixed, so no two different requests can concatenate to the same input.
-    digest.update(len(value).to_bytes(8, "big"))
-    digest.update(value)
+    # Length-prefixed, so no two different requests can concatenate to the same input. One
+    # update of both: the digest is the same as of two, for one call fewer.
+    digest.update(len(value).to_bytes(8, "big") + value)
+
+
+# What an empty query hashes as: a count of no fields (most keyed requests have no query).
+_NO_QUERY = b"0"
 
 
 def _query(digest: hashlib._Hash, query_string: bytes) -> None:
+    if not query_string:
+        _field(digest, _NO_QUERY)
+        return
     if _AMBIGUOUS_QUERY.search(query_string) is not None:
         # Compared byte for byte: only what no upstream can tell apart hashes alike. Tagged
         # with a word, never equal to the field count that leads a query compared by field.
