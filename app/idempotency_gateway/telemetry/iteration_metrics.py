@@ -55,6 +55,12 @@ _pending = _Pending()
 BATCHED = prometheus_values.ValueClass is not prometheus_values.MutexValue
 
 
+def _forget_a_parents_sums() -> None:
+    """In a forked child, drop the sums it inherited: they are its parent's to write."""
+    if _pending.pid != os.getpid():
+        _pending.forget()
+
+
 def _schedule() -> bool:
     """Whether a write at the end of this iteration is (now) due; False without a loop, or
     without multiprocess values."""
@@ -65,10 +71,8 @@ def _schedule() -> bool:
     except RuntimeError:
         return False
     if _pending.due_on is not loop:
-        if _pending.pid != os.getpid():
-            # A forked child's first write: its parent's sums are the parent's to write, the
-            # values this child adds from now on its own. Checked here, once per iteration.
-            _pending.forget()
+        # A forked child's first write: the values it adds from now on are its own.
+        _forget_a_parents_sums()
         loop.call_soon(write_pending)
         _pending.due_on = loop
     return True
@@ -77,9 +81,7 @@ def _schedule() -> bool:
 def write_pending() -> None:
     """Write this thread's sums into the metrics (their files, when multiprocess)."""
     _pending.due_on = None
-    if _pending.pid != os.getpid():
-        _pending.forget()
-        return
+    _forget_a_parents_sums()  # a write the parent queued, run in a child forked before it
     counts, _pending.counts = _pending.counts, {}
     observations, _pending.observations = _pending.observations, {}
     for counter, amount in counts.items():
