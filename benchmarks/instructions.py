@@ -25,6 +25,7 @@ every server compared.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -124,10 +125,7 @@ def count_scenario(
 ) -> Count:
     out_dir = ctx.work_dir / scenario.id
     out_dir.mkdir()
-    run_ctx = RunContext(
-        ctx.work_dir, ctx.log_dir, ctx.database_url, ctx.redis_url, ctx.nginx,
-        ctx.upstream_port, launcher=callgrind_launcher(out_dir), start_timeout=600.0,
-    )  # fmt: skip
+    run_ctx = dataclasses.replace(ctx, launcher=callgrind_launcher(out_dir), start_timeout=600.0)
     spec = SERVER_BY_ID[scenario.server]
     if spec.redis and ctx.redis_url is None:
         raise SystemExit(f"{scenario.id} needs Redis, which did not answer")

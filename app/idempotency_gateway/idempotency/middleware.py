@@ -183,7 +183,7 @@ class IdempotencyMiddleware:
         policy = self._covering_policy(scope, target)
         if policy is None:
             # Most traffic: a route or method this layer does not protect, its target already
-            # refused or accepted outside. Straight through, with nothing to report.
+            # checked outside. Straight through, with nothing to report.
             await self.app(scope, receive, send)
             return
         await self._dispatch(scope, receive, send, (target, policy))
