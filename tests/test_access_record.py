@@ -3,16 +3,20 @@ with this moment's time and this process's id (a forked child's too), for any ha
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from idempotency_gateway.telemetry import request_log
+from idempotency_gateway.telemetry.logs import JsonFormatter
 from idempotency_gateway.telemetry.request_log import RequestLog, write_access_line
 
 ACCESS = logging.getLogger("idempotency_gateway.access")
@@ -125,3 +129,48 @@ def test_an_applications_record_factory_builds_every_access_record(captured: Cap
         logging.setLogRecordFactory(default)
 
     assert [getattr(record, "stamp", None) for record in captured.records] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("created", "expected"),
+    [
+        (1_764_356_400.0, "2025-11-28T19:00:00.000+00:00"),
+        (1_764_356_400.0415, "2025-11-28T19:00:00.041+00:00"),
+        (1_764_356_400.9995, "2025-11-28T19:00:00.999+00:00"),
+        # The last moment before the next second that a double can hold.
+        (math.nextafter(1_764_356_401.0, 0.0), "2025-11-28T19:00:00.999+00:00"),
+        (math.nextafter(1.0, 0.0), "1970-01-01T00:00:00.999+00:00"),
+        (1_764_356_401.0, "2025-11-28T19:00:01.000+00:00"),
+    ],
+)
+def test_the_json_line_tells_the_time_to_the_millisecond_in_utc(
+    created: float, expected: str
+) -> None:
+    record = ACCESS.makeRecord(ACCESS.name, logging.INFO, __file__, 0, "request", (), None)
+    record.created = created
+
+    line = json.loads(JsonFormatter().format(record))
+
+    assert line["time"] == expected
+    truncated = datetime.fromtimestamp(int(created), UTC) + timedelta(
+        milliseconds=int(expected[20:23])
+    )
+    assert datetime.fromisoformat(line["time"]) == truncated
+
+
+def test_the_json_line_carries_every_field_of_the_request() -> None:
+    document = json.loads(JsonFormatter().format(request_log._records.access_record(entry())))
+
+    assert document["request"] == {
+        "request_id": "req-1",
+        "method": "POST",
+        "path": "/v1/charges",
+        "route": "charges",
+        "upstream": None,
+        "outcome": "unprotected",
+        "attempts": 0,
+        "status": 201,
+        "scope_hash": None,
+        "key_hash": None,
+        "duration_ms": 0.0,
+    }

@@ -36,6 +36,10 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
     return {name: record.__dict__[name] for name in names if not name.startswith("_")}
 
 
+# ``.000+00:00`` .. ``.999+00:00``: looked up, where formatting them cost 0.5 us a line.
+_MILLISECOND_SUFFIXES = tuple(f".{millisecond:03d}+00:00" for millisecond in range(1000))
+
+
 class _UtcSecond:
     """``2026-01-31T12:00:00`` of the current second, formatted once per second, not per line."""
 
@@ -48,7 +52,8 @@ class _UtcSecond:
         if second != self._second:
             self._second = second
             self._text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return f"{self._text}.{int((created - second) * 1000):03d}+00:00"
+        # Below 1000: the largest double under 1.0, times 1000, rounds to 999.99...
+        return self._text + _MILLISECOND_SUFFIXES[int((created - second) * 1000)]
 
 
 class JsonFormatter(logging.Formatter):
