@@ -42,6 +42,13 @@ SERVERS: tuple[ServerSpec, ...] = (
     ),
     ServerSpec("hello-uvicorn", "constant answer under uvicorn", "asgi-app", app=HELLO),
     ServerSpec(
+        "hello-edge",
+        "constant answer under the gateway's EdgeProtocol",
+        "asgi-app",
+        app=HELLO,
+        asgi_server="edge",
+    ),
+    ServerSpec(
         "hello-granian",
         "constant answer under granian",
         "asgi-app",
@@ -144,6 +151,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario("hello-uvicorn", FLOOR, "hello-uvicorn", GET_SMALL),
     Scenario("hello-granian", FLOOR, "hello-granian", GET_SMALL, "hello-uvicorn"),
+    Scenario("hello-edge", FLOOR, "hello-edge", GET_SMALL, "hello-uvicorn"),
     # the gateway, 1 worker
     Scenario("gw1-pass", PASS, "gw1", GET_SMALL, "minproxy"),
     Scenario("gw1-pass-1c", LATENCY, "gw1", _one(GET_SMALL), "direct-1c"),

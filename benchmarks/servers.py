@@ -22,7 +22,7 @@ from benchmarks.processes import (
 from benchmarks.upstream import LARGE_BODY_BYTES, SMALL_BODY
 
 ServerKind = Literal["upstream", "nginx-proxy", "asgi-app", "gateway", "library"]
-AsgiServer = Literal["uvicorn", "granian"]
+AsgiServer = Literal["uvicorn", "granian", "edge"]
 REPO = Path(__file__).resolve().parent.parent
 # The same ASGI server settings the gateway's own `serve` uses (app/serve.py).
 UVICORN_FAST = ("--loop", "uvloop", "--http", "httptools", "--workers", "1")
@@ -213,6 +213,8 @@ def _asgi_argv(server: AsgiServer, app: str, port: int) -> list[str]:
             venv_tool("granian"), *GRANIAN_FAST,
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", app,
         ]  # fmt: skip
+    if server == "edge":
+        return [sys.executable, "-m", "benchmarks.edge_server", app, "--port", str(port)]
     return [
         venv_tool("uvicorn"), app, *UVICORN_FAST,
         "--port", str(port), "--log-level", "warning", "--no-access-log",

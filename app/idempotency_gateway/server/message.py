@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from idempotency_gateway.asgi import Headers
@@ -36,9 +37,16 @@ _SCHEMES = frozenset({b"http", b"https"})
 _CHUNKED = b"chunked"
 
 
-def _check_authority(authority: bytes, what: str) -> None:
+# A connection sends the same Host with every request: its verdict is remembered, bounded so
+# that a client sending a new value each time only ever costs the match itself.
+@functools.lru_cache(maxsize=256)
+def _is_authority(authority: bytes) -> bool:
     match = _HOST.fullmatch(authority) if len(authority) <= _MAX_HOST else None
-    if match is None or (match.group(1) is not None and int(match.group(1)) > _MAX_PORT):
+    return match is not None and (match.group(1) is None or int(match.group(1)) <= _MAX_PORT)
+
+
+def _check_authority(authority: bytes, what: str) -> None:
+    if not _is_authority(authority):
         raise MalformedRequest(f"{what} is not a host with an optional port (0 to {_MAX_PORT})")
 
 

@@ -215,8 +215,10 @@ class EdgeProtocol(HttpToolsProtocol):
         self._raw_head_bytes = 0 if self._message_ended_in_chunk else self._chunk_size
         self._pending = _Pending.HEAD
 
+    # ``on_url`` and ``on_header`` do what uvicorn's do themselves, not through ``super()``:
+    # the parser calls them for every piece of every head.
     def on_url(self, url: bytes) -> None:
-        super().on_url(url)
+        self.url += url
         self._count_head_bytes(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -230,7 +232,10 @@ class EdgeProtocol(HttpToolsProtocol):
             # A trailer field (RFC 9110 section 6.5): never one of the request's header
             # fields, which every layer has read (or will read) as the request's own.
             return
-        super().on_header(name, value)
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._pending = _Pending.NOTHING
@@ -255,8 +260,11 @@ class EdgeProtocol(HttpToolsProtocol):
         self._pending = _Pending.BODY
         if self.scope["method"] != "HEAD":
             # A HEAD answer has no body write to carry its head: that one goes out alone.
+            # The cycle is named weakly: cycle -> transport -> cycle would be a reference
+            # cycle, a dozen objects per request left for the collector instead of freed.
+            answered = weakref.ref(self.cycle)
             self.cycle.transport = HeadWithBody(  # type: ignore[assignment]
-                self.transport, self.loop, close=functools.partial(self._close_answered, self.cycle)
+                self.transport, self.loop, close=functools.partial(self._close_answered, answered)
             )
 
     def on_body(self, body: bytes) -> None:
@@ -382,12 +390,13 @@ class EdgeProtocol(HttpToolsProtocol):
         self._cancel_deadline()
         self._chunks.cancel()
 
-    def _close_answered(self, cycle: RequestResponseCycle) -> None:
+    def _close_answered(self, answered: weakref.ref[RequestResponseCycle]) -> None:
         """The app's answer ends the connection (``Connection: close``). Its request's body
         may still be coming (an answer given by the head, such as a missing key): then the
         server lingers as a refusal does, since closing with unread data would reset the
         connection and could destroy the answer before the client reads it."""
-        if not cycle.more_body or self.transport.is_closing():
+        cycle = answered()  # alive: it is the cycle whose answer is closing
+        if cycle is None or not cycle.more_body or self.transport.is_closing():
             self.transport.close()
             return
         self._stop_reading()
