@@ -21,6 +21,7 @@ from idempotency_gateway.asgi import (
     Receive,
     Scope,
     cancel_on_disconnect,
+    replay_receive,
 )
 
 
@@ -177,3 +178,30 @@ async def test_a_connection_already_lost_cancels_at_once() -> None:
 
     with pytest.raises(ClientDisconnected):
         await cancel_on_disconnect(client.scope, client.receive, upstream())
+
+
+@pytest.mark.parametrize("via_signal", [False, True], ids=["watcher", "signal"])
+async def test_a_replayed_body_is_not_watched_at_all(via_signal: bool) -> None:
+    """A keyed execution's ``replay_receive`` never reports a disconnect: no watcher task
+    waits on it (one per keyed request, cancelled at its end, its traceback left for the
+    collector), and the connection's loss leaves the work alone."""
+    client = Client(via_signal=via_signal)
+    receive = replay_receive(b"{}")
+    assert await receive() == {"type": "http.request", "body": b"{}", "more_body": False}
+    tasks_before = asyncio.all_tasks()
+    tasks_during: set[asyncio.Task[object]] = set()
+    waiting, finished = asyncio.Event(), asyncio.Event()
+
+    async def upstream() -> str:
+        tasks_during.update(asyncio.all_tasks())
+        client.leave()
+        waiting.set()
+        await finished.wait()
+        return "answer"
+
+    task = asyncio.ensure_future(cancel_on_disconnect(client.scope, receive, upstream()))
+    await waiting.wait()
+    assert tasks_during - tasks_before == {task}
+    assert client.callbacks == []
+    finished.set()
+    assert await task == "answer"

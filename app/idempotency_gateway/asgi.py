@@ -29,21 +29,27 @@ def first_header(headers: Headers, name: bytes) -> bytes | None:
     return None
 
 
-def replay_receive(body: bytes) -> Receive:
+class _ReplayedBody:
     """A ``receive`` that hands an already-read body to the next app, then waits for nothing."""
-    sent = False
 
-    async def receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
+    __slots__ = ("_body",)
+
+    def __init__(self, body: bytes) -> None:
+        self._body: bytes | None = body
+
+    async def __call__(self) -> Message:
+        body, self._body = self._body, None
+        if body is not None:
             return {"type": "http.request", "body": body, "more_body": False}
         # After the body the only thing an app can wait for is a disconnect; the owner's
         # execution must never be cut short by one, so it never comes.
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    return receive
+
+def replay_receive(body: bytes) -> Receive:
+    """A ``receive`` that hands an already-read body to the next app, then waits for nothing."""
+    return _ReplayedBody(body)
 
 
 class ClientDisconnected(Exception):
@@ -154,6 +160,10 @@ def _watch_disconnect(
 ) -> tuple[Callable[[], bool], Callable[[], None]]:
     """Cancel ``task`` at the client's disconnect; returns whether that happened, and how to
     stop watching."""
+    if isinstance(receive, _ReplayedBody):
+        # It never reports a disconnect: a watcher would wait for nothing, then be cancelled
+        # (a task, and its cancellation's traceback left for the collector, per keyed request).
+        return _never, _nothing_to_stop
     signal = _disconnect_signal(scope, receive)
     if signal is not None:
         seen = False
@@ -172,3 +182,11 @@ def _watch_disconnect(
             watcher.cancel()
 
     return (lambda: watcher.done() and not watcher.cancelled()), stop
+
+
+def _never() -> bool:
+    return False
+
+
+def _nothing_to_stop() -> None:
+    pass
