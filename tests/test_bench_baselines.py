@@ -127,9 +127,9 @@ def _row(text: str, scenario_id: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
-def test_the_granian_and_pyreqwest_scenarios_carry_load(tmp_path: Path) -> None:
+def test_the_granian_pyreqwest_and_edge_scenarios_carry_load(tmp_path: Path) -> None:
     output = tmp_path / "RESULTS.md"
-    scenarios = ("minproxy-granian", "minproxy-pyreqwest-large", "hello-granian")
+    scenarios = ("minproxy-granian", "minproxy-pyreqwest-large", "hello-granian", "hello-edge")
     command = [
         sys.executable, "-m", "benchmarks",
         "--builtin-upstream", "--builtin-loadgen", "--no-redis",
