@@ -21,8 +21,11 @@ from email.utils import parsedate_to_datetime
 import httpx
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 
 from idempotency_gateway.config import ConfigError, validate_config
+from idempotency_gateway.storage.records import StoredResponse
 from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
 from tests.support.servers import free_port
 
@@ -147,3 +150,25 @@ def test_a_replay_marker_that_is_no_header_name_is_refused(where: str) -> None:
     section["replay_header"] = "Idempotency Replayed"
     with pytest.raises(ConfigError, match=r"replay_header.*not a header field name"):
         validate_config(data, source="test")
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.text(st.characters(min_codepoint=0x21, max_codepoint=0xFF), min_size=1),
+            st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF)),
+        )
+    )
+)
+def test_a_stored_answers_fields_go_out_as_they_came_in(headers: list[tuple[str, str]]) -> None:
+    """Encoded once and kept for every later replay of the same copy; the copy itself (its
+    equality, what the store and the cache write) is what it was."""
+    response = StoredResponse(201, headers, b"{}")
+    fresh = StoredResponse(201, list(headers), b"{}")
+
+    wire = response.wire_headers()
+
+    assert wire == tuple((n.encode("latin-1"), v.encode("latin-1")) for n, v in headers)
+    assert response.wire_headers() is wire
+    assert response == fresh
+    assert response.headers == headers

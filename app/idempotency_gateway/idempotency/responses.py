@@ -239,9 +239,7 @@ async def send_stored(
     """Send a stored answer; ``replayed`` is the route's replay marker field when it is one.
     ``pieces``: the body to send instead, one message each (a stream's events)."""
     pieces = (response.body,) if pieces is None else pieces
-    headers: Headers = [
-        (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
-    ]
+    headers: Headers = [*response.wire_headers()]
     headers.append((b"content-length", str(sum(map(len, pieces))).encode()))
     if replayed is not None:
         headers.append(replayed)

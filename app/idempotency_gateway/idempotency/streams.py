@@ -152,10 +152,7 @@ async def send_replay(
 ) -> None:
     """A stored answer replayed; a stored event stream on a following route event by event,
     after the client's ``Last-Event-ID``."""
-    headers = (
-        (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
-    )
-    if not config.streaming.follow or not is_event_stream(headers):
+    if not config.streaming.follow or not is_event_stream(response.wire_headers()):
         await send_stored(send, response, replayed=replayed, extra=list(extra))
         return
     resume = resume_of(scope)

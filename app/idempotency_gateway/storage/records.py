@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
@@ -41,6 +41,21 @@ class StoredResponse:
     headers: list[tuple[str, str]]
     body: bytes
     body_omitted: bool = False
+    # ``headers`` as they go on the wire, encoded at the first replay: a copy kept in the
+    # process's own replay tier is replayed again and again.
+    _wire_headers: tuple[tuple[bytes, bytes], ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def wire_headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        """``headers`` as bytes, the form they were received in (latin-1 both ways)."""
+        encoded = self._wire_headers
+        if encoded is None:
+            encoded = tuple(
+                (name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers
+            )
+            object.__setattr__(self, "_wire_headers", encoded)  # frozen: a cache, not a change
+        return encoded
 
 
 @dataclass(frozen=True, slots=True)
