@@ -41,12 +41,13 @@ _CHUNKED = b"chunked"
 # that a client sending a new value each time only ever costs the match itself.
 @functools.lru_cache(maxsize=256)
 def _is_authority(authority: bytes) -> bool:
-    match = _HOST.fullmatch(authority) if len(authority) <= _MAX_HOST else None
+    match = _HOST.fullmatch(authority)
     return match is not None and (match.group(1) is None or int(match.group(1)) <= _MAX_PORT)
 
 
 def _check_authority(authority: bytes, what: str) -> None:
-    if not _is_authority(authority):
+    # An over-long value is refused before the cache: it would only take up room there.
+    if len(authority) > _MAX_HOST or not _is_authority(authority):
         raise MalformedRequest(f"{what} is not a host with an optional port (0 to {_MAX_PORT})")
 
 
