@@ -48,7 +48,6 @@ class _ReplayedBody:
 
 
 def replay_receive(body: bytes) -> Receive:
-    """A ``receive`` that hands an already-read body to the next app, then waits for nothing."""
     return _ReplayedBody(body)
 
 
