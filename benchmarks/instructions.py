@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.loadgen import LoadGenerator, RunParameters, choose_generator
-from benchmarks.measure import warm_key
+from benchmarks.measure import warm_up
 from benchmarks.processes import ManagedProcess
 from benchmarks.scenarios import SCENARIO_BY_ID, SERVER_BY_ID, Scenario
 from benchmarks.servers import RunContext, find_nginx, start_server, start_upstream
@@ -131,13 +131,8 @@ def count_scenario(
         raise SystemExit(f"{scenario.id} needs Redis, which did not answer")
     server = start_server(spec, run_ctx)
     try:
-        base_url = f"http://127.0.0.1:{server.port}"
-        nonce = f"ir-{time.time_ns()}-{scenario.id}"
-        if scenario.warm_key:
-            warm_key(server.port, scenario.load, nonce)
-        warm_nonce = nonce if scenario.load.keys == "fixed" else nonce + "-warm"
-        generator.run(
-            RunParameters(base_url, scenario.load, args.connections, args.warmup, warm_nonce)
+        base_url, nonce = warm_up(
+            generator, scenario, server.port, connections=args.connections, seconds=args.warmup
         )
         pids = process_tree(server.process.pid)
         _callgrind_control("-z", pids)

@@ -93,6 +93,20 @@ def warm_key(port: int, load: Load, key: str) -> int:
         connection.close()
 
 
+def warm_up(
+    generator: LoadGenerator, scenario: Scenario, port: int, *, connections: int, seconds: float
+) -> tuple[str, str]:
+    """Load a started server for ``seconds`` (its replayed key stored first); the base URL and
+    the key nonce the measured run then uses (fixed-key loads replay the warmed key)."""
+    base_url = f"http://127.0.0.1:{port}"
+    nonce = f"{scenario.id}-{time.time_ns()}"
+    if scenario.warm_key:
+        warm_key(port, scenario.load, nonce)
+    warm_nonce = nonce if scenario.load.keys == "fixed" else nonce + "-warm"
+    generator.run(RunParameters(base_url, scenario.load, connections, seconds, warm_nonce))
+    return base_url, nonce
+
+
 def measure(
     generator: LoadGenerator,
     parameters: RunParameters,

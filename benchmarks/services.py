@@ -6,7 +6,7 @@ import asyncio
 import subprocess
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg  # type: ignore[import-untyped]
+import asyncpg
 
 from benchmarks.processes import StartError, clean_environment, venv_tool
 
