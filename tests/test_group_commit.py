@@ -2,11 +2,12 @@
 go out as one statement each, and every caller gets the answer it would have got alone.
 
 Counted at the driver (asyncpg's query logger, ``StatementLog``): many reserves in one
-iteration are one statement; the same key twice behaves as two statements in a row; new and
-existing keys mix; a stale fence loses only its own row; a key another transaction commits
-while the batch waits on it is read back as held; a batch whose server process is
-terminated fails every caller with ``StoreUnavailable`` and writes nothing. Through the
-gateway, a new key costs exactly a reserve and a finalize: the execution fence adds nothing.
+iteration are one statement; the same key many times is one statement whose answers are
+those of statements in a row (one reserves, the rest find it held); new and existing keys
+mix; a stale fence loses only its own row; a key another transaction commits while the batch
+waits on it is read back as held; a batch whose server process is terminated fails every
+caller with ``StoreUnavailable`` and writes nothing. Through the gateway, a new key costs
+exactly a reserve and a finalize: the execution fence adds nothing.
 """
 
 from __future__ import annotations
@@ -102,12 +103,45 @@ async def test_the_same_key_twice_in_one_iteration_reserves_once(
     first, second = await asyncio.gather(
         store.reserve(key, claim("first")), store.reserve(key, claim("second"))
     )
-    # As two statements in a row: the first reserves, the second sees it hold the key.
+    # As two statements in a row: the first reserves, the second sees it hold the key; sent
+    # as one statement, the second riding on the first's row.
     assert first.reserved
     assert not second.reserved
     assert second.record.owner_id == "first"
     assert second.record.fencing_token == first.record.fencing_token
-    assert statements.of(sql.RESERVE_BATCH) - before == 2
+    assert second.now == first.now
+    assert statements.of(sql.RESERVE_BATCH) - before == 1
+
+
+async def test_a_burst_of_duplicates_is_one_statement_with_one_owner_per_key(
+    store: PostgresRecordStore, statements: StatementLog
+) -> None:
+    fresh, held = keys("burst", 1)[0], keys("burst-held", 1)[0]
+    holder = await store.reserve(held, claim("holder"))
+    burst = [(key, f"{name}-{i}") for i in range(30) for key, name in ((fresh, "f"), (held, "h"))]
+    others = keys("beside", 3)
+    before = statements.of(sql.RESERVE_BATCH)
+    got = await asyncio.gather(
+        *(store.reserve(key, claim(owner)) for key, owner in burst),
+        *(store.reserve(key, claim("beside")) for key in others),
+    )
+    assert statements.of(sql.RESERVE_BATCH) - before == 1
+    for_fresh = [r for r, (key, _) in zip(got, burst, strict=False) if key == fresh]
+    for_held = [r for r, (key, _) in zip(got, burst, strict=False) if key == held]
+    # One reserve won the fresh key (the first submitted); every other one finds its row.
+    assert [r.reserved for r in for_fresh] == [True] + [False] * 29
+    assert {(r.record.owner_id, r.record.fencing_token) for r in for_fresh} == {
+        ("f-0", for_fresh[0].record.fencing_token)
+    }
+    # Nobody took the held key from its holder.
+    assert not any(r.reserved for r in for_held)
+    assert {(r.record.owner_id, r.record.fencing_token) for r in for_held} == {
+        ("holder", holder.record.fencing_token)
+    }
+    assert all(r.reserved for r in got[len(burst) :])
+    stored = await store.get(fresh)
+    assert stored is not None
+    assert stored.owner_id == "f-0"
 
 
 async def test_new_and_existing_keys_mix_in_one_batch(

@@ -4,9 +4,13 @@ The first caller of an iteration starts a flush task; its first step runs once t
 run every task that was ready, so whatever they asked for goes out together, and a lone
 request waits for nothing. One batch of a kind is in flight per store (per worker process):
 what arrives meanwhile forms the next batch, sent as soon as the one in flight answers, so
-batches grow with load instead of statements. A batch holds at most ``max_batch`` items and
-each key at most once: a second item with the same key waits for the next batch, so two
-requests with one key behave as two statements in a row would.
+batches grow with load instead of statements. A batch holds at most ``max_batch`` keys and
+each key once. A second item with a key already in the batch waits for the next batch, so two
+requests with one key behave as two statements in a row would; or, where the store says what
+a second statement right after the first would answer (``follow``: a reserve sees the row the
+first left), it rides along and gets that answer, with no statement of its own. A burst of
+one key (a client's retries, a storm of duplicates) then costs one statement, not one each,
+one after the other.
 
 The batch runs as one statement; its failure is every caller's ``StoreUnavailable``.
 """
@@ -16,12 +20,27 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from idempotency_gateway.errors import StoreUnavailable
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+_Entry = tuple[Item, "asyncio.Future[Result]"]
+
+
+@dataclass
+class _Batch(Generic[Item, Result]):
+    """One statement's entries, one per key, and the entries that ride along with one of
+    them (by its index in ``own``)."""
+
+    own: list[_Entry[Item, Result]] = field(default_factory=list)
+    followers: list[tuple[int, _Entry[Item, Result]]] = field(default_factory=list)
+
+    def futures(self) -> list[asyncio.Future[Result]]:
+        return [future for _, future in self.own] + [f for _, (_, f) in self.followers]
 
 
 class GroupCommit(Generic[Item, Result]):
@@ -34,11 +53,15 @@ class GroupCommit(Generic[Item, Result]):
         *,
         key: Callable[[Item], Hashable],
         max_batch: int,
+        follow: Callable[[Item, Result], Result] | None = None,
     ) -> None:
+        """``follow(item, first)``: the answer of ``item`` had it run right after the item
+        with its key whose answer was ``first``; ``None``: it waits for the next batch."""
         self._run = run
         self._key = key
         self._max_batch = max_batch
-        self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
+        self._follow = follow
+        self._pending: list[_Entry[Item, Result]] = []
         self._flusher: asyncio.Task[None] | None = None
 
     async def submit(self, item: Item) -> Result:
@@ -48,17 +71,20 @@ class GroupCommit(Generic[Item, Result]):
             self._flusher = asyncio.create_task(self._flush())
         return await future
 
-    def _take_batch(self) -> list[tuple[Item, asyncio.Future[Result]]]:
-        batch: list[tuple[Item, asyncio.Future[Result]]] = []
-        later: list[tuple[Item, asyncio.Future[Result]]] = []
-        keys: set[Hashable] = set()
+    def _take_batch(self) -> _Batch[Item, Result]:
+        batch: _Batch[Item, Result] = _Batch()
+        later: list[_Entry[Item, Result]] = []
+        index_of: dict[Hashable, int] = {}
         for entry in self._pending:
-            key = self._key(entry[0])
             if entry[1].done():
                 continue  # its caller was cancelled before the batch went out
-            if len(batch) < self._max_batch and key not in keys:
-                keys.add(key)
-                batch.append(entry)
+            key = self._key(entry[0])
+            first = index_of.get(key)
+            if first is not None and self._follow is not None:
+                batch.followers.append((first, entry))
+            elif first is None and len(batch.own) < self._max_batch:
+                index_of[key] = len(batch.own)
+                batch.own.append(entry)
             else:
                 later.append(entry)
         self._pending = later
@@ -66,7 +92,7 @@ class GroupCommit(Generic[Item, Result]):
 
     async def _flush(self) -> None:
         try:
-            while batch := self._take_batch():
+            while (batch := self._take_batch()).own:
                 await self._send(batch)
         finally:
             self._flusher = None
@@ -74,16 +100,16 @@ class GroupCommit(Generic[Item, Result]):
                 # Submitted after the last batch was taken, while this task was ending.
                 self._flusher = asyncio.create_task(self._flush())
 
-    async def _send(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
+    async def _send(self, batch: _Batch[Item, Result]) -> None:
         try:
-            answers = await self._run([item for item, _ in batch])
+            answers = await self._run([item for item, _ in batch.own])
         except StoreUnavailable as error:
-            for _, future in batch:
+            for future in batch.futures():
                 _answer(future, error)
             return
         except BaseException as error:
             # Cancelled (the loop is closing) or a bug: no caller waits forever for it.
-            for _, future in batch:
+            for future in batch.futures():
                 if future.done():
                     continue
                 if isinstance(error, asyncio.CancelledError):
@@ -91,8 +117,15 @@ class GroupCommit(Generic[Item, Result]):
                 else:
                     future.set_exception(error)
             raise
-        for (_, future), answer in zip(batch, answers, strict=True):
+        for (_, future), answer in zip(batch.own, answers, strict=True):
             _answer(future, answer)
+        follow = self._follow
+        for first, (item, future) in batch.followers:
+            assert follow is not None  # followers are taken only for a store that says how
+            answer = answers[first]
+            _answer(
+                future, answer if isinstance(answer, StoreUnavailable) else follow(item, answer)
+            )
 
 
 def _answer(future: asyncio.Future[Result], answer: Result | StoreUnavailable) -> None:

@@ -11,6 +11,7 @@ imports this module, for a ``postgresql://`` URL: it is the one place asyncpg is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -92,7 +93,9 @@ class PostgresRecordStore(RecordStore):
         self.finalizes: GroupCommit[_Outcome, bool] | None = None
         if config.group_commit:
             batch = config.group_commit_max_batch
-            self.reserves = GroupCommit(self._reserve_batch, key=_key_of_item, max_batch=batch)
+            self.reserves = GroupCommit(
+                self._reserve_batch, key=_key_of_item, max_batch=batch, follow=_reserved_before
+            )
             self.finalizes = GroupCommit(self._finalize_batch, key=_key_of_item, max_batch=batch)
 
     async def start(self) -> None:
@@ -396,6 +399,13 @@ def _key_of_item(item: tuple[RecordKey, Claim] | _Outcome) -> tuple[str, str, st
     """The key a batch holds at most once, and the order every gateway sends keys in."""
     key = item.key if isinstance(item, _Outcome) else item[0]
     return key.tenant, key.operation, key.idempotency_key
+
+
+def _reserved_before(_: tuple[RecordKey, Claim], first: Reservation) -> Reservation:
+    """A second reserve of ``first``'s key in one batch, answered as a statement run the
+    instant after ``first``'s would be: it finds the row ``first`` left, held by its owner.
+    Both callers were waiting at once, so no caller can tell that order from any other."""
+    return dataclasses.replace(first, reserved=False)
 
 
 def _columns(rows: Sequence[tuple[object, ...]], width: int) -> list[list[object]]:
