@@ -122,3 +122,22 @@ async def test_when_the_first_caller_is_cancelled_before_the_statement_a_followe
     assert list(await asyncio.gather(second, third)) == ["answered:k:b", "c after answered:k:b"]
     assert first.cancelled()
     assert statements.sent == [[("k", "b")]]
+
+
+async def test_a_statement_answering_the_wrong_count_fails_every_caller_instead_of_hanging() -> (
+    None
+):
+    async def one_answer_short(items: Sequence[Item]) -> list[str | StoreUnavailable]:
+        answers: list[str | StoreUnavailable] = [f"answered:{key}:{who}" for key, who in items]
+        return answers[1:]
+
+    commit: GroupCommit[Item, str] = GroupCommit(
+        one_answer_short, key=lambda item: item[0], max_batch=64, follow=following
+    )
+    async with asyncio.timeout(10):  # a bound for a failing test, not a wait this one needs
+        results = await asyncio.gather(
+            *(commit.submit(item) for item in [("k", "a"), ("k", "b"), ("other", "x")]),
+            return_exceptions=True,
+        )
+    # Nobody got an answer, least of all the one that was another's.
+    assert all(isinstance(result, RuntimeError) for result in results)

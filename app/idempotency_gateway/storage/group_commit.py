@@ -103,12 +103,24 @@ class GroupCommit(Generic[Item, Result]):
     async def _send(self, batch: _Batch[Item, Result]) -> None:
         try:
             answers = await self._run([item for item, _ in batch.own])
+            if len(answers) != len(batch.own):
+                # Checked before any is handed out: a miscounted answer is another's.
+                raise RuntimeError(f"{len(answers)} answers to a batch of {len(batch.own)}")
+            for (_, future), answer in zip(batch.own, answers, strict=True):
+                _answer(future, answer)
+            follow = self._follow
+            for first, (item, future) in batch.followers:
+                assert follow is not None  # followers are taken only for a store that says how
+                answer = answers[first]
+                _answer(
+                    future, answer if isinstance(answer, StoreUnavailable) else follow(item, answer)
+                )
         except StoreUnavailable as error:
             for future in batch.futures():
                 _answer(future, error)
-            return
         except BaseException as error:
-            # Cancelled (the loop is closing) or a bug: no caller waits forever for it.
+            # Cancelled (the loop is closing) or a bug (in the statement or in handing out its
+            # answers): no caller waits forever for it.
             for future in batch.futures():
                 if future.done():
                     continue
@@ -117,15 +129,6 @@ class GroupCommit(Generic[Item, Result]):
                 else:
                     future.set_exception(error)
             raise
-        for (_, future), answer in zip(batch.own, answers, strict=True):
-            _answer(future, answer)
-        follow = self._follow
-        for first, (item, future) in batch.followers:
-            assert follow is not None  # followers are taken only for a store that says how
-            answer = answers[first]
-            _answer(
-                future, answer if isinstance(answer, StoreUnavailable) else follow(item, answer)
-            )
 
 
 def _answer(future: asyncio.Future[Result], answer: Result | StoreUnavailable) -> None:
