@@ -161,6 +161,26 @@ async def test_a_bad_environment_value_exits_2_naming_the_variable(
 
 
 @pytest.mark.usefixtures("clean_environment")
+@pytest.mark.parametrize("admin_port_from", ["option", "environment"])
+async def test_one_port_for_the_proxy_and_the_admin_api_exits_2(
+    admin_port_from: str, tmp_path: Path
+) -> None:
+    port = str(free_port())
+    args = ["serve", "--upstream", "http://127.0.0.1:9", "--port", port]
+    env = {}
+    if admin_port_from == "option":
+        args += ["--admin-port", port]
+    else:
+        env["GATEWAY_ADMIN_PORT"] = port
+    code, output = await run_cli(*args, env=env, cwd=tmp_path)
+
+    assert code == 2
+    assert f"the admin port and the proxy port are both {port}" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+
+
+@pytest.mark.usefixtures("clean_environment")
 async def test_serve_with_a_bad_config_file_exits_2_naming_the_field(tmp_path: Path) -> None:
     bad = write_config(
         tmp_path,

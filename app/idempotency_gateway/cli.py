@@ -138,6 +138,14 @@ def _run_server(
     from idempotency_gateway.migrate import upgrade_to_head
     from idempotency_gateway.serve import serve
 
+    admin_port = args.admin_port if args.admin_port is not None else settings.admin_port
+    if admin_port == args.port != 0:
+        # Both sockets bind (SO_REUSEADDR, neither listening yet) and each connection then
+        # reaches either one: the proxy's clients answered by the admin API, and its 404s.
+        raise ConfigError(
+            "command line",
+            [f"the admin port and the proxy port are both {admin_port}: give each its own"],
+        )
     database_url = database_url_or_default(settings.database_url)
     # Refuse here, with a clear message, rather than in every worker.
     require_database_driver(database_url)
@@ -149,7 +157,6 @@ def _run_server(
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.
         upgrade_to_head(database_url)
-    admin_port = args.admin_port if args.admin_port is not None else settings.admin_port
     os.environ["GATEWAY_ADMIN_PORT"] = str(admin_port)
     os.environ[DRAIN_MARKER_ENV] = str(drain_marker)
     log_startup(

@@ -26,11 +26,21 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 LifespanMode = Literal["auto", "on", "off"]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (bind port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that was free a moment ago (bind port 0, read it, close), and that this
+    process has not handed out before: the kernel may offer a port again as soon as it is
+    closed, and two servers told the same port (a gateway's proxy and admin ports, seen) then
+    share its connections."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def write_config(tmp_path: Path, data: Mapping[str, Any], name: str = "gateway.yaml") -> Path:
