@@ -155,6 +155,7 @@ async def stall_owner_past_takeover(
         resume()
         owner_request.cancel()
         print(f"--- owner log ---\n{fleet.owner.log_tail()}")
+        print(f"--- other log ---\n{fleet.other.log_tail()}")
     # The owner woke up, found out, and sent nothing more.
     assert upstream.count(key) == executed
     record = await fleet.store.get(record_key(key, path=path))
