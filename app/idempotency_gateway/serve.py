@@ -33,7 +33,7 @@ from idempotency_gateway.drain import DrainState
 from idempotency_gateway.main import RESOLVED_CONFIG_ENV
 from idempotency_gateway.server.protocol import EdgeServerConfig
 from idempotency_gateway.telemetry.logs import LogFormat, uvicorn_log_config
-from idempotency_gateway.telemetry.multiprocess import forget_dead_workers
+from idempotency_gateway.telemetry.multiprocess import dead_worker_reaper
 
 log = logging.getLogger("idempotency_gateway.serve")
 
@@ -70,6 +70,7 @@ class GatewaySupervisor(Multiprocess):
         self._reload_config = reload_config
         self._drain = drain
         self._drain_ends: float | None = None
+        self._reaper = dead_worker_reaper()
         os.environ[RESOLVED_CONFIG_ENV] = gateway_config.model_dump_json()
 
     def handle_hup(self) -> None:
@@ -105,6 +106,11 @@ class GatewaySupervisor(Multiprocess):
         if self._drain_ends is not None and time.monotonic() >= self._drain_ends:
             log.info("drain grace over; stopping the workers")
             self.should_exit.set()
+
+    def keep_subprocess_alive(self) -> None:
+        super().keep_subprocess_alive()
+        if self._reaper is not None:
+            self._reaper.reap()
 
     def terminate_all(self) -> None:
         # Our copies of the listening sockets would keep them open once the workers close
@@ -156,7 +162,6 @@ def serve(
         timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
     )
     sockets = [_bind(host, port), _bind(host, admin_port)]
-    forget_dead_workers()
     supervisor = GatewaySupervisor(
         config,
         sockets,

@@ -6,7 +6,7 @@ the directory up before the workers start). Labels are bounded: route and upstre
 the config, operation names and outcome words, never paths, keys or credentials.
 
 Gauges use a ``live*`` multiprocess mode: the supervisor drops a dead worker's gauge files
-(``multiprocess.forget_dead_workers``), so a gauge never speaks for a process that is gone.
+(``multiprocess.DeadWorkerReaper``), so a gauge never speaks for a process that is gone.
 
 ``serve`` runs every worker this way, one or many, so a scrape shows the same families
 whatever the worker count: no ``_created`` series, every family declared here present before

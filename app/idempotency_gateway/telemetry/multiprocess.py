@@ -1,9 +1,10 @@
 """Metrics across worker processes.
 
 ``prepare_metrics_directory`` runs before prometheus_client is first imported. The supervisor
-then runs ``forget_dead_workers``: a worker that exits (crash, ``kill -9``, restart) has its
-live gauges dropped, so no gauge keeps speaking for a process that is gone. Counters and
-histograms of dead workers stay: a sum over workers must not go backwards.
+then runs a ``DeadWorkerReaper`` on each turn of its loop: a worker that exits (crash,
+``kill -9``, restart) has its live gauges dropped, so no gauge keeps speaking for a process
+that is gone. Counters and histograms of dead workers stay: a sum over workers must not go
+backwards.
 """
 
 from __future__ import annotations
@@ -12,13 +13,9 @@ import logging
 import os
 import re
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
-# Often enough that a scrape rarely sees a dead worker's gauge; cheap (one directory listing).
-_CHECK_EVERY = 0.5
 # prometheus_client names a worker's files ``<kind>_<pid>.db``.
 _PID_OF_FILE = re.compile(r"_(\d+)\.db$")
 
@@ -57,30 +54,32 @@ def is_live_child(pid: int) -> bool:
     return state != "Z" and int(parent) == os.getpid()
 
 
-def forget_dead_workers() -> None:
-    """In the supervisor, before the workers start: drop each dead worker's live gauges from
-    now on (a daemon thread; it ends with the supervisor). No-op without multiprocess mode."""
-    directory = os.environ.get(MULTIPROCESS_ENV)
-    if not directory:
-        return
-    thread = threading.Thread(
-        target=_forget_dead_workers_forever, args=(directory,), name="metrics-reaper", daemon=True
-    )
-    thread.start()
+class DeadWorkerReaper:
+    """Drops the live gauges of workers that exited. The supervisor calls ``reap`` on each
+    turn of its loop (every half second: a scrape rarely sees a dead worker's gauge, and a
+    pass is one directory listing), in its own thread: a thread of its own sleeping beside
+    the supervisor was one more thing to go wrong (under libfaketime its sleep failed, and
+    the process died with it)."""
 
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        # Only pids once seen alive as our children: a directory shared with another
+        # supervisor (PROMETHEUS_MULTIPROC_DIR is the operator's to set) keeps its workers.
+        self._workers: set[int] = set()
 
-def _forget_dead_workers_forever(directory: str) -> None:
-    from prometheus_client import multiprocess
+    def reap(self) -> None:
+        from prometheus_client import multiprocess
 
-    # Only pids once seen alive as our children: a directory shared with another supervisor
-    # (PROMETHEUS_MULTIPROC_DIR is the operator's to set) must keep that one's workers.
-    workers: set[int] = set()
-    while True:
-        time.sleep(_CHECK_EVERY)
-        for pid in metric_file_pids(directory):
+        for pid in metric_file_pids(self.directory):
             if is_live_child(pid):
-                workers.add(pid)
-            elif pid in workers:
-                multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
-                workers.discard(pid)
+                self._workers.add(pid)
+            elif pid in self._workers:
+                multiprocess.mark_process_dead(pid, self.directory)  # type: ignore[no-untyped-call]
+                self._workers.discard(pid)
                 log.info("dropped the live gauges of exited worker %d", pid)
+
+
+def dead_worker_reaper() -> DeadWorkerReaper | None:
+    """For the supervisor; ``None`` without multiprocess metrics."""
+    directory = os.environ.get(MULTIPROCESS_ENV)
+    return DeadWorkerReaper(directory) if directory else None
