@@ -21,7 +21,6 @@ connection counts run in turn, ``--rounds`` times, alternating.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 from benchmarks.instructions import process_tree
 from benchmarks.loadgen import LoadGenerator, RunParameters, choose_generator
 from benchmarks.measure import warm_up
+from benchmarks.processes import CLOCK_TICKS, stat_fields
 from benchmarks.scenarios import SCENARIO_BY_ID, SERVER_BY_ID
 from benchmarks.servers import RunContext, find_nginx, start_server, start_upstream
 from benchmarks.services import (
@@ -61,12 +61,12 @@ class Usage:
 
 def usage_of(pids: list[int]) -> Usage:
     """Summed over ``pids``; a process that exited meanwhile counts nothing."""
-    ticks = os.sysconf("SC_CLK_TCK")
     user = system = voluntary = involuntary = 0
     for pid in pids:
+        fields = stat_fields(pid)
+        if fields is None:
+            continue
         try:
-            # The fields after the command name, which may itself hold spaces or ")".
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             status = Path(f"/proc/{pid}/status").read_text().splitlines()
         except OSError:
             continue
@@ -78,7 +78,7 @@ def usage_of(pids: list[int]) -> Usage:
                 voluntary += int(value)
             elif name == "nonvoluntary_ctxt_switches":
                 involuntary += int(value)
-    return Usage(user / ticks, system / ticks, voluntary, involuntary)
+    return Usage(user / CLOCK_TICKS, system / CLOCK_TICKS, voluntary, involuntary)
 
 
 def measure_split(

@@ -155,7 +155,8 @@ def wait_until_answers(
 # /proc readings -------------------------------------------------------------------------
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first); ``None``: gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -171,7 +172,7 @@ def _all_pids() -> list[int]:
 def descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for pid in _all_pids():
-        fields = _stat_fields(pid)
+        fields = stat_fields(pid)
         if fields is not None:
             children.setdefault(int(fields[1]), []).append(pid)
     found: list[int] = []
@@ -197,7 +198,7 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     """User plus system CPU time of these processes so far (vanished ones count nothing)."""
     ticks = 0
     for pid in pids:
-        fields = _stat_fields(pid)
+        fields = stat_fields(pid)
         if fields is not None:
             ticks += int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / CLOCK_TICKS

@@ -124,7 +124,7 @@ def _notes(outcome: Outcome, outcomes: Mapping[str, Outcome]) -> str:
     cpu_per_request = _cpu_per_request(outcome)
     if cpu_per_request is not None:
         notes.append(f"{cpu_per_request:.3f} ms CPU/req")
-    postgres = _postgres_per_request(outcome)
+    postgres = _cpu_per_request(outcome, "postgres")
     if postgres:
         notes.append(f"PostgreSQL {postgres:.3f} ms CPU/req")
     if outcome.commits is not None and result.requests:
@@ -171,11 +171,11 @@ class Target:
     bound: str
 
 
-def _cpu_per_request(outcome: Outcome) -> float | None:
-    """Milliseconds of the server's CPU per answered request."""
+def _cpu_per_request(outcome: Outcome, party: str = "server") -> float | None:
+    """Milliseconds of ``party``'s CPU (a group of ``CPU_GROUPS``) per answered request."""
     if outcome.cpu is None or outcome.result is None or outcome.result.rps <= 0:
         return None
-    return outcome.cpu.get("server") / outcome.result.rps * 1000
+    return outcome.cpu.get(party) / outcome.result.rps * 1000
 
 
 def bound_hint(outcome: Outcome | None, workers: int = 1) -> str:
@@ -249,20 +249,13 @@ def _memory_target(memory: MemoryOutcome | None) -> Target:
     return Target(name, measured, verdict, bound)
 
 
-def _postgres_per_request(outcome: Outcome) -> float | None:
-    """Milliseconds of PostgreSQL's CPU (every backend on the machine) per answered request."""
-    if outcome.cpu is None or outcome.result is None or outcome.result.rps <= 0:
-        return None
-    return outcome.cpu.get("postgres") / outcome.result.rps * 1000
-
-
 def _share_of_postgres_target(
     outcomes: Mapping[str, Outcome], name: str, mine: str, most: float
 ) -> Target:
     """The gateway's CPU per request at most ``most`` times what PostgreSQL spent on it."""
     outcome = outcomes.get(mine)
     gateway = _cpu_per_request(outcome) if outcome is not None else None
-    postgres = _postgres_per_request(outcome) if outcome is not None else None
+    postgres = _cpu_per_request(outcome, "postgres") if outcome is not None else None
     if not gateway or not postgres:
         return Target(name, "", "not measured", "")
     share = gateway / postgres
