@@ -57,9 +57,9 @@ def is_live_child(pid: int) -> bool:
 class DeadWorkerReaper:
     """Drops the live gauges of workers that exited. The supervisor calls ``reap`` on each
     turn of its loop (every half second: a scrape rarely sees a dead worker's gauge, and a
-    pass is one directory listing), in its own thread: a thread of its own sleeping beside
-    the supervisor was one more thing to go wrong (under libfaketime its sleep failed, and
-    the process died with it)."""
+    pass is one directory listing), on the supervisor's own thread: a thread of its own
+    sleeping beside the supervisor was one more thing to go wrong (under libfaketime its
+    sleep failed with EINVAL)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
