@@ -25,7 +25,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.instructions import process_tree
 from benchmarks.loadgen import LoadGenerator, RunParameters, choose_generator
 from benchmarks.measure import warm_up
 from benchmarks.processes import CLOCK_TICKS, stat_fields
@@ -90,7 +89,7 @@ def measure_split(
         base_url, nonce = warm_up(
             generator, scenario, server.port, connections=connections, seconds=WARMUP_SECONDS
         )
-        pids = process_tree(server.process.pid)
+        pids = server.process.tree()
         before = usage_of(pids)
         result = generator.run(RunParameters(base_url, scenario.load, connections, seconds, nonce))
         spent = usage_of(pids) - before

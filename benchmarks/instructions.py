@@ -73,18 +73,6 @@ def callgrind_launcher(out_dir: Path) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (``serve``'s workers and their helpers)."""
-    found = [pid]
-    for parent in found:
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            continue
-        found.extend(int(child) for child in children)
-    return found
-
-
 def _callgrind_control(option: str, pids: Iterable[int]) -> None:
     for pid in pids:
         # Each process answers through valgrind's gdbserver; one that exited is no error.
@@ -134,7 +122,7 @@ def count_scenario(
         base_url, nonce = warm_up(
             generator, scenario, server.port, connections=args.connections, seconds=args.warmup
         )
-        pids = process_tree(server.process.pid)
+        pids = server.process.tree()
         _callgrind_control("-z", pids)
         result = generator.run(
             RunParameters(base_url, scenario.load, args.connections, args.seconds, nonce)

@@ -31,11 +31,21 @@ class StartError(RuntimeError):
     """A process did not come up; the message carries the end of its log."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind port 0, read it, close), and that this
+    process has not handed out before: the kernel may offer a port again as soon as it is
+    closed, and two servers told the same port (a gateway's proxy and admin ports, seen) then
+    share its connections."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def clean_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -21,8 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.processes import free_port
 from tests.support.readme import python_example
-from tests.support.servers import LOOPBACK, free_port
+from tests.support.servers import LOOPBACK
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow

@@ -24,10 +24,10 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
+from benchmarks.processes import free_port
 from idempotency_gateway.config import ConfigError, validate_config
 from idempotency_gateway.storage.records import StoredResponse
 from tests.support.gateway import GatewayLauncher, RunningGateway, gateway_config, route
-from tests.support.servers import free_port
 
 UPSTREAM_DATE = "Mon, 01 Jan 2001 00:00:00 GMT"
 UPSTREAM_HEADERS = {

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 import httpx
 from pydantic import SecretStr
 
+from benchmarks.processes import free_port
 from idempotency_gateway.config import GatewayConfig, validate_config
 from idempotency_gateway.main import Gateway, create_gateway
-from tests.support.servers import TEST_SCOPE_SECRET, free_port, serve_asgi
+from tests.support.servers import TEST_SCOPE_SECRET, serve_asgi
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor

@@ -25,7 +25,8 @@ from typing import Self
 
 from sqlalchemy.engine import make_url
 
-from tests.support.servers import LOOPBACK, free_port
+from benchmarks.processes import free_port
+from tests.support.servers import LOOPBACK
 
 PGBOUNCER = Path("/usr/sbin/pgbouncer")
 # Fewer server connections than the clients the tests open: PgBouncer must really share them.

@@ -24,9 +24,10 @@ import redis.asyncio
 from redis.asyncio import RedisCluster
 from redis.exceptions import RedisError
 
+from benchmarks.processes import free_port
 from idempotency_gateway.replay.redis_connection import cluster_client
 from tests.support.lifecycle import StartedInContext
-from tests.support.servers import LOOPBACK, free_port
+from tests.support.servers import LOOPBACK
 from tests.support.waiting import eventually
 
 Test = TypeVar("Test", bound=Callable[..., object])

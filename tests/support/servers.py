@@ -15,6 +15,7 @@ from typing import IO, Any, Literal, Protocol
 import uvicorn
 import yaml
 
+from benchmarks.processes import free_port
 from idempotency_gateway.idempotency.scope_secret import SCOPE_SECRET_ENV
 from tests.support.lifecycle import StartedInContext
 
@@ -24,23 +25,6 @@ TEST_SCOPE_SECRET = "test-scope-secret"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 LifespanMode = Literal["auto", "on", "off"]
-
-
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (bind port 0, read it, close), and that this
-    process has not handed out before: the kernel may offer a port again as soon as it is
-    closed, and two servers told the same port (a gateway's proxy and admin ports, seen) then
-    share its connections."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 def write_config(tmp_path: Path, data: Mapping[str, Any], name: str = "gateway.yaml") -> Path:
