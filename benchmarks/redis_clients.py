@@ -75,7 +75,7 @@ async def redis_py_connection(url: str, stack: AsyncExitStack) -> dict[str, Oper
 
     client = Redis.from_url(url)
     stack.push_async_callback(client.aclose)
-    connection = await client.connection_pool.get_connection()
+    connection = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
 
     async def call(*args: Any) -> Any:
         await connection.send_command(*args)
