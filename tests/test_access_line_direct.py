@@ -26,6 +26,7 @@ from idempotency_gateway.telemetry.request_log import (
     RequestOutcome,
     write_access_line,
 )
+from tests.support.log_records import Capture
 
 ACCESS = logging.getLogger("idempotency_gateway.access")
 PARENT = logging.getLogger("idempotency_gateway")
@@ -48,15 +49,6 @@ class Logging:
 
     def lines(self) -> list[str]:
         return self.out.getvalue().splitlines()
-
-
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 @pytest.fixture
