@@ -11,6 +11,7 @@ import logging.config
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -229,3 +230,103 @@ def test_a_failed_write_reaches_handle_error_with_the_record(
     (record,) = failed
     assert record.getMessage() == "request"
     assert record.request == entry()  # type: ignore[attr-defined]
+
+
+def test_a_line_that_cannot_be_formatted_reaches_handle_error_and_goes_no_further(
+    served_logging: Logging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failed: list[logging.LogRecord] = []
+    handler = served_logging.handler
+    monkeypatch.setattr(handler, "handleError", failed.append)
+    unencodable = entry()
+    unencodable.path = "/caf\udce9"  # a lone surrogate: orjson refuses it
+
+    served_logging.write(unencodable)  # raises nothing
+
+    assert served_logging.lines() == []
+    (record,) = failed
+    assert record.request is unencodable  # type: ignore[attr-defined]
+
+
+def test_the_line_is_formatted_under_the_handlers_lock(
+    served_logging: Logging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The formatter's clock is shared by every line of the handler: formatted by two threads
+    at once, a line could get the second before's time."""
+    handler = served_logging.handler
+    formatter = handler.formatter
+    assert isinstance(formatter, JsonFormatter)
+    lock = handler.lock
+    assert lock is not None
+    held: list[bool] = []
+    format_line = formatter.line
+
+    def line(*args: Any, **kwargs: Any) -> str:
+        held.append(lock._is_owned())  # type: ignore[attr-defined]
+        return format_line(*args, **kwargs)
+
+    monkeypatch.setattr(formatter, "line", line)
+
+    served_logging.write(entry())
+
+    assert held == [True]
+    assert len(served_logging.lines()) == 1
+
+
+def test_a_patched_call_handlers_sees_every_access_record(
+    served_logging: Logging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As Sentry's logging integration patches ``Logger.callHandlers`` for its breadcrumbs."""
+    seen: list[str] = []
+    call_handlers = logging.Logger.callHandlers
+
+    def patched(self: logging.Logger, record: logging.LogRecord) -> None:
+        seen.append(record.name)
+        call_handlers(self, record)
+
+    monkeypatch.setattr(logging.Logger, "callHandlers", patched)
+
+    served_logging.write(entry())
+
+    assert seen == [ACCESS.name]
+    assert len(served_logging.lines()) == 1
+
+
+def test_an_emit_replaced_on_the_handler_gets_the_record(
+    served_logging: Logging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    emitted: list[logging.LogRecord] = []
+    monkeypatch.setattr(served_logging.handler, "emit", emitted.append)
+
+    served_logging.write(entry())
+
+    assert [record.getMessage() for record in emitted] == ["request"]
+    assert served_logging.lines() == []
+
+
+class Unflushable:
+    """A stream with ``write`` and nothing else: ``StreamHandler`` flushes only what can."""
+
+    def __init__(self) -> None:
+        self.written: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.written.append(text)
+        return len(text)
+
+
+def test_a_stream_without_flush_is_written_and_reports_nothing(
+    served_logging: Logging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failed: list[logging.LogRecord] = []
+    handler = served_logging.handler
+    assert isinstance(handler, LineHandler)
+    monkeypatch.setattr(handler, "handleError", failed.append)
+    stream = Unflushable()
+    handler.setStream(stream)  # type: ignore[arg-type]
+
+    served_logging.write(entry())
+
+    assert failed == []
+    assert len(stream.written) == 1
+    assert json.loads(stream.written[0])["message"] == "request"

@@ -166,3 +166,13 @@ def test_the_json_line_carries_every_field_of_the_request() -> None:
         "key_hash": None,
         "duration_ms": 0.0,
     }
+
+
+def test_a_lines_extra_fields_keep_the_order_they_were_given_in() -> None:
+    record = ACCESS.makeRecord(
+        ACCESS.name, logging.INFO, __file__, 0, "started", (), None, extra={"b": 1, "a": 2, "c": 3}
+    )
+
+    document = json.loads(JsonFormatter().format(record))
+
+    assert list(document)[-3:] == ["b", "a", "c"]

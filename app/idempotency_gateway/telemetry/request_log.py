@@ -183,16 +183,38 @@ def write_access_line(entry: RequestLog) -> None:
         return
     formatter = handler.formatter
     assert isinstance(formatter, JsonFormatter)
-    line = formatter.line(
-        time.time(), "info", log.name, "request", _records.pid, {"request": entry}
+    created = time.time()
+    handler.emit_line(
+        lambda: formatter.line(
+            created, "info", log.name, "request", _records.pid, {"request": entry}
+        ),
+        lambda: _records.access_record(entry),
     )
-    handler.emit_line(line, lambda: _records.access_record(entry))
+
+
+# A logger class of the application's own, set before this module was imported.
+_PLAIN_LOGGER = type(log) is logging.Logger
+
+
+def _standard_handling() -> bool:
+    """Whether a record would take the standard library's own way to its handlers: an
+    integration that patches it (Sentry's logging integration wraps ``callHandlers``) must
+    see every access record."""
+    return (
+        logging.Logger.handle.__module__ == "logging"
+        and logging.Logger.callHandlers.__module__ == "logging"
+        and logging.Handler.handle.__module__ == "logging"
+    )
 
 
 def _only_json_handler() -> LineHandler | None:
     """The handler the access record would reach, when it is the only one, a ``LineHandler``
-    with a ``JsonFormatter``, and no filter would see the record on the way."""
-    if log.filters or log.disabled:
+    with a ``JsonFormatter``, no filter would see the record on the way, and neither a logger
+    class of the application's own nor a patch stands in for the standard library's handling
+    of it."""
+    if log.filters or log.disabled or not _PLAIN_LOGGER:
+        return None
+    if not _standard_handling():
         return None
     found: logging.Handler | None = None
     logger: logging.Logger | None = log
@@ -209,6 +231,10 @@ def _only_json_handler() -> LineHandler | None:
         or found.filters
         or found.level > logging.INFO
         or type(found.formatter) is not JsonFormatter
+        # Replaced on the handler or formatter itself (a test's patch, a wrapper).
+        or "handle" in found.__dict__
+        or "emit" in found.__dict__
+        or "format" in found.formatter.__dict__
     ):
         return None
     return found
