@@ -330,3 +330,31 @@ def test_a_stream_without_flush_is_written_and_reports_nothing(
     assert failed == []
     assert len(stream.written) == 1
     assert json.loads(stream.written[0])["message"] == "request"
+
+
+def test_an_emit_patched_on_the_class_gets_the_record(
+    served_logging: Logging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    emitted: list[str] = []
+    emit = logging.StreamHandler.emit
+
+    def patched(self: logging.StreamHandler[Any], record: logging.LogRecord) -> None:
+        emitted.append(record.getMessage())
+        emit(self, record)
+
+    monkeypatch.setattr(logging.StreamHandler, "emit", patched)
+
+    served_logging.write(entry())
+
+    assert emitted == ["request"]
+    assert len(served_logging.lines()) == 1
+
+
+def test_a_format_patched_on_the_class_formats_the_line(
+    served_logging: Logging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(JsonFormatter, "format", lambda self, record: "patched")
+
+    served_logging.write(entry())
+
+    assert served_logging.lines() == ["patched"]

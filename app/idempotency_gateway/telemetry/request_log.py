@@ -197,14 +197,19 @@ _PLAIN_LOGGER = type(log) is logging.Logger
 
 
 def _standard_handling() -> bool:
-    """Whether a record would take the standard library's own way to its handlers: an
-    integration that patches it (Sentry's logging integration wraps ``callHandlers``) must
-    see every access record."""
+    """Whether a record would take the standard library's own way to its handler and be
+    formatted by ``JsonFormatter.format``: an integration that patches that way (Sentry's
+    logging integration wraps ``callHandlers``) must see every access record."""
     return (
         logging.Logger.handle.__module__ == "logging"
         and logging.Logger.callHandlers.__module__ == "logging"
-        and logging.Handler.handle.__module__ == "logging"
+        and LineHandler.handle.__module__ == "logging"
+        and LineHandler.emit.__module__ == "logging"
+        and JsonFormatter.format.__module__ == _LOGS_MODULE
     )
+
+
+_LOGS_MODULE = JsonFormatter.__module__
 
 
 def _only_json_handler() -> LineHandler | None:
