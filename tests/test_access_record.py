@@ -18,9 +18,17 @@ import pytest
 from idempotency_gateway.telemetry import request_log
 from idempotency_gateway.telemetry.logs import JsonFormatter
 from idempotency_gateway.telemetry.request_log import RequestLog, write_access_line
-from tests.support.log_records import Capture
 
 ACCESS = logging.getLogger("idempotency_gateway.access")
+
+
+class Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from idempotency_gateway.problems import send_problem
 from idempotency_gateway.request_id import REQUEST_ID_HEADER, ensure_request_id
 from idempotency_gateway.telemetry import tracing
 from idempotency_gateway.telemetry.iteration_metrics import counts, observations
-from idempotency_gateway.telemetry.logs import JsonFormatter, LineHandler, current_request_id
+from idempotency_gateway.telemetry.logs import current_request_id
 from idempotency_gateway.telemetry.metrics import REQUEST_DURATION, REQUESTS
 
 log = logging.getLogger("idempotency_gateway.access")
@@ -164,12 +164,10 @@ _ACCESS_LINE = (log.name, logging.INFO, __file__, 0, "request", (), None)
 
 
 def write_access_line(entry: RequestLog) -> None:
-    """``log.info("request", extra={"request": entry})``. When the gateway's own JSON handler
-    is the only one the record would reach, it gets the line the record would format as,
-    without the record. Otherwise a record copied from this thread's template: a real
-    ``LogRecord`` for every handler and filter, without the stack walk for the caller's file
-    and line (always this function) and the dozen lookups ``LogRecord.__init__`` repeats for
-    every line (a third of its cost, measured)."""
+    """``log.info("request", extra={"request": entry})``, on a record copied from this
+    thread's template: a real ``LogRecord`` for every handler and filter, without the stack
+    walk for the caller's file and line (always this function) and the dozen lookups
+    ``LogRecord.__init__`` repeats for every line (a third of its cost, measured)."""
     if not log.isEnabledFor(logging.INFO):
         return
     if logging.getLogRecordFactory() is not logging.LogRecord:
@@ -177,72 +175,7 @@ def write_access_line(entry: RequestLog) -> None:
         # values of the moment on each record: it must build every one.
         log.handle(log.makeRecord(*_ACCESS_LINE, extra={"request": entry}))
         return
-    handler = _only_json_handler()
-    if handler is None:
-        log.handle(_records.access_record(entry))
-        return
-    formatter = handler.formatter
-    assert isinstance(formatter, JsonFormatter)
-    created = time.time()
-    handler.emit_line(
-        lambda: formatter.line(
-            created, "info", log.name, "request", _records.pid, {"request": entry}
-        ),
-        lambda: _records.access_record(entry),
-    )
-
-
-# A logger class of the application's own, set before this module was imported.
-_PLAIN_LOGGER = type(log) is logging.Logger
-
-
-def _standard_handling() -> bool:
-    """Whether a record would take the standard library's own way to its handler and be
-    formatted by ``JsonFormatter.format``: an integration that patches that way (Sentry's
-    logging integration wraps ``callHandlers``) must see every access record."""
-    return (
-        logging.Logger.handle.__module__ == "logging"
-        and logging.Logger.callHandlers.__module__ == "logging"
-        and LineHandler.handle.__module__ == "logging"
-        and LineHandler.emit.__module__ == "logging"
-        and JsonFormatter.format.__module__ == _LOGS_MODULE
-    )
-
-
-_LOGS_MODULE = JsonFormatter.__module__
-
-
-def _only_json_handler() -> LineHandler | None:
-    """The handler the access record would reach, when it is the only one, a ``LineHandler``
-    with a ``JsonFormatter``, no filter would see the record on the way, and neither a logger
-    class of the application's own nor a patch stands in for the standard library's handling
-    of it."""
-    if log.filters or log.disabled or not _PLAIN_LOGGER:
-        return None
-    if not _standard_handling():
-        return None
-    found: logging.Handler | None = None
-    logger: logging.Logger | None = log
-    while logger is not None:
-        for handler in logger.handlers:
-            if found is not None:
-                return None
-            found = handler
-        if not logger.propagate:
-            break
-        logger = logger.parent
-    if (
-        type(found) is not LineHandler
-        or found.filters
-        or found.level > logging.INFO
-        or type(found.formatter) is not JsonFormatter
-        # Replaced on the handler or formatter itself (a test's patch, a wrapper).
-        or "handle" in found.__dict__
-        or "emit" in found.__dict__
-        or "format" in found.formatter.__dict__
-    ):
-        return None
-    return found
+    log.handle(_records.access_record(entry))
 
 
 class _AccessRecords(threading.local):
@@ -252,7 +185,6 @@ class _AccessRecords(threading.local):
     def __init__(self) -> None:
         template = logging.LogRecord(*_ACCESS_LINE)
         self.fields = dict(vars(template))
-        self.pid: int | None = template.process
         # ``relativeCreated`` counts from when logging started.
         self.logging_started = template.created - template.relativeCreated / 1000
 
