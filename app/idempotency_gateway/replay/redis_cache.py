@@ -30,7 +30,7 @@ from idempotency_gateway.replay.cache import (
     encode,
 )
 from idempotency_gateway.replay.redis_adapter import RedisAdapter
-from idempotency_gateway.replay.redis_deadline import RedisDeadlines
+from idempotency_gateway.replay.redis_deadline import RedisDeadline
 from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 from idempotency_gateway.replay.wakeups import channel_for
 from idempotency_gateway.resilience.breaker import BreakerState, CircuitBreaker
@@ -74,7 +74,6 @@ class RedisCache:
     ) -> None:
         self.redis = redis
         self.timeout = timeout
-        self._deadlines = RedisDeadlines(timeout)
         self.max_entry_bytes = max_entry_bytes
         self.breaker = breaker or CircuitBreaker("redis-cache", CACHE_BREAKER)
         self.degradation = DegradationLog("Redis cache", fallback="serving from the durable store")
@@ -97,7 +96,7 @@ class RedisCache:
             return FAILED
         started = time.perf_counter()
         succeeded = False
-        deadline = self._deadlines.arm()
+        deadline = RedisDeadline(self.timeout)
         try:
             result = await call()
             succeeded = True
