@@ -90,7 +90,16 @@ def test_the_supervisor_methods_serve_overrides_or_calls(monkeypatch: pytest.Mon
     from uvicorn.supervisors.multiprocess import Process
 
     assert _parameters(Multiprocess.__init__) == ["self", "config", "sockets"]
-    for name in ("handle_hup", "handle_term", "handle_signals", "terminate_all", "run"):
+    for name in (
+        "handle_hup",
+        "handle_term",
+        "handle_signals",
+        "terminate_all",
+        "run",
+        # Called on each turn of the supervisor's loop: the dead workers' gauges are reaped
+        # there (``GatewaySupervisor.keep_subprocess_alive``).
+        "keep_subprocess_alive",
+    ):
         assert _parameters(getattr(Multiprocess, name)) == ["self"], name
     # The supervisor installs its signal handlers when built: not in the test process.
     monkeypatch.setattr(signal, "signal", lambda *_: None)
