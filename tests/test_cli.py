@@ -11,15 +11,18 @@ subprocess wherever a server or an exit code is involved.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -178,6 +181,126 @@ async def test_one_port_for_the_proxy_and_the_admin_api_exits_2(
     assert f"the admin port and the proxy port are both {port}" in output
     assert "Traceback" not in output
     assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+
+
+@pytest.mark.usefixtures("clean_environment")
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        pytest.param(["--port", "70000"], "--port", id="port-above-65535"),
+        pytest.param(["--admin-port", "65536"], "--admin-port", id="admin-port-above-65535"),
+        pytest.param(["--port", "-1"], "--port", id="negative-port"),
+        pytest.param(["--admin-port", "http"], "--admin-port", id="port-not-a-number"),
+        pytest.param(["--workers", "0"], "--workers", id="no-workers"),
+        pytest.param(["--workers", "-2"], "--workers", id="negative-workers"),
+    ],
+)
+async def test_a_flag_out_of_its_range_exits_2_naming_it_before_anything_starts(
+    args: list[str], option: str, tmp_path: Path
+) -> None:
+    code, output = await run_cli("serve", "--upstream", "http://127.0.0.1:9", *args, cwd=tmp_path)
+
+    assert code == 2
+    assert f"argument {option}: {args[1]!r} is not" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+
+
+@pytest.mark.usefixtures("clean_environment")
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["demo", "--port", "0"], id="demo-port-0"),
+        pytest.param(["demo", "--upstream-port", "99999"], id="demo-upstream-port"),
+        pytest.param(["sweep", "--batch-size", "0"], id="sweep-batch-0"),
+    ],
+)
+def test_other_commands_refuse_numbers_they_cannot_use(
+    args: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.chdir(tmp_path)  # were it accepted, nothing lands in the project's directory
+    # A demo on port 0 would print commands for a port nobody knows; a sweep in batches of
+    # none would loop forever deleting nothing.
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    assert f"argument {args[1]}: " in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("clean_environment")
+@pytest.mark.parametrize("taken", ["proxy", "admin"])
+async def test_a_port_in_use_exits_1_naming_it_and_creates_nothing(
+    taken: str, tmp_path: Path
+) -> None:
+    port, admin_port = free_port(), free_port()
+    busy = port if taken == "proxy" else admin_port
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", busy))
+    holder.listen()
+    try:
+        code, output = await run_cli(
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:9",
+            *("--port", str(port), "--admin-port", str(admin_port)),
+            cwd=tmp_path,
+        )
+    finally:
+        holder.close()
+
+    assert code == 1
+    assert f"error: cannot listen on 127.0.0.1:{busy}: Address already in use" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+
+
+class PickedPortsGateway(UpstreamOnlyGateway):
+    """``serve --port 0 --admin-port 0``: the system picks both ports and the JSON startup
+    line names them."""
+
+    @property
+    def listen_args(self) -> list[str]:
+        return ["--host", self.host, "--port", "0", "--admin-port", "0", "--log-format", "json"]
+
+    async def _wait_until_listening(self) -> None:
+        startup = await eventually(self._startup_line, timeout=self.startup_timeout)
+        self.port, self.admin_port = startup["port"], startup["admin_port"]
+        await super()._wait_until_listening()
+
+    def _startup_line(self) -> dict[str, Any] | None:
+        for line in self.log_text().splitlines():
+            if '"idempotency_gateway.startup"' in line:
+                parsed: dict[str, Any] = json.loads(line)
+                return parsed
+        return None
+
+
+@pytest.mark.usefixtures("clean_environment")
+async def test_ports_the_system_picks_are_named_and_keep_the_admin_api_apart(
+    tmp_path: Path,
+) -> None:
+    async with (
+        RecordingUpstream() as upstream,
+        PickedPortsGateway(upstream.url, cwd=tmp_path) as gateway,
+        httpx.AsyncClient(timeout=10.0) as client,
+    ):
+        assert 0 not in (gateway.port, gateway.admin_port)
+        assert gateway.port != gateway.admin_port
+        health = await client.get(gateway.admin_url + "/healthz")
+        proxied = await client.get(gateway.url + "/healthz")
+        metrics = await client.get(gateway.admin_url + "/metrics")
+
+    # The admin port answers as the admin API; before, a worker compared connections with
+    # the port asked for (0), so every admin request went to the upstream instead.
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+    assert metrics.status_code == 200
+    assert "idempotency_gateway" in metrics.text
+    assert proxied.status_code == 201
+    assert [execution.path for execution in upstream.executions] == ["/healthz"]
 
 
 @pytest.mark.usefixtures("clean_environment")

@@ -38,6 +38,37 @@ from idempotency_gateway.telemetry.startup import log_startup
 # metrics directory before prometheus_client is imported anywhere in this process.
 
 
+def _port(text: str) -> int:
+    """A TCP port, or 0 for one the system picks (the startup line names it); refused here,
+    by name, before anything starts."""
+    port = _integer(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give 0 to 65535")
+    return port
+
+
+def _demo_port(text: str) -> int:
+    """The demo prints commands that name its ports, so it needs ports known in advance."""
+    port = _port(text)
+    if port == 0:
+        raise argparse.ArgumentTypeError("the demo needs a fixed port: give 1 to 65535")
+    return port
+
+
+def _positive(text: str) -> int:
+    count = _integer(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return count
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from idempotency_gateway import __version__
 
@@ -52,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help="YAML config file (or GATEWAY_CONFIG)")
     serve.add_argument("--upstream", help="proxy everything to this URL with default policies")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--port", type=_port, default=8080)
     serve.add_argument(
-        "--admin-port", type=int, default=None, help="health, metrics, admin API (default 8081)"
+        "--admin-port", type=_port, default=None, help="health, metrics, admin API (default 8081)"
     )
-    serve.add_argument("--workers", type=int, default=1)
+    serve.add_argument("--workers", type=_positive, default=1)
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--log-format",
@@ -66,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     demo = commands.add_parser("demo", help="embedded store + an example payments API")
-    demo.add_argument("--port", type=int, default=8080)
-    demo.add_argument("--upstream-port", type=int, default=9000)
+    demo.add_argument("--port", type=_demo_port, default=8080)
+    demo.add_argument("--upstream-port", type=_demo_port, default=9000)
 
     migrate = commands.add_parser(
         "migrate", help="upgrade the database schema (GATEWAY_DATABASE_URL)"
@@ -77,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sweep = commands.add_parser("sweep", help="delete expired records now")
-    sweep.add_argument("--batch-size", type=int, default=1000)
+    sweep.add_argument("--batch-size", type=_positive, default=1000)
 
     check = commands.add_parser("check-config", help="validate a config file and print it")
     check.add_argument("file", type=Path)
@@ -136,7 +167,7 @@ def _run_server(
     from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
     from idempotency_gateway.migrate import upgrade_to_head
-    from idempotency_gateway.serve import serve
+    from idempotency_gateway.serve import ListenError, bind_listeners, serve
 
     admin_port = args.admin_port if args.admin_port is not None else settings.admin_port
     if admin_port == args.port != 0:
@@ -153,18 +184,24 @@ def _run_server(
         require_redis()
     check_admin_token(settings.admin_token)
     _servable(config)
+    try:
+        # Bound before the store is touched: a port in use leaves nothing created behind.
+        listeners = bind_listeners(args.host, args.port, admin_port)
+    except ListenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.
         upgrade_to_head(database_url)
-    os.environ["GATEWAY_ADMIN_PORT"] = str(admin_port)
+    os.environ["GATEWAY_ADMIN_PORT"] = str(listeners.admin_port)
     os.environ[DRAIN_MARKER_ENV] = str(drain_marker)
     log_startup(
         log_level=args.log_level,
         log_format=args.log_format,
         host=args.host,
-        port=args.port,
-        admin_port=admin_port,
+        port=listeners.port,
+        admin_port=listeners.admin_port,
         workers=args.workers,
         database_url=database_url,
         redis_url=settings.redis_url,
@@ -172,8 +209,7 @@ def _run_server(
     )
     return serve(
         host=args.host,
-        port=args.port,
-        admin_port=admin_port,
+        listeners=listeners,
         workers=args.workers,
         log_level=args.log_level,
         log_format=args.log_format,

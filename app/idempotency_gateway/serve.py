@@ -23,6 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
@@ -46,11 +47,48 @@ GRACEFUL_SHUTDOWN_SECONDS = 30
 WORKER_HEALTHCHECK_SECONDS = 30
 
 
+class ListenError(Exception):
+    """A listener could not bind: its port is taken, or the host is not this machine's."""
+
+
+@dataclass(frozen=True)
+class Listeners:
+    """The proxy's and the admin API's sockets, bound, not yet listening."""
+
+    proxy: socket.socket
+    admin: socket.socket
+
+    @property
+    def port(self) -> int:
+        return int(self.proxy.getsockname()[1])
+
+    @property
+    def admin_port(self) -> int:
+        """The port bound, which differs from the one asked for when that was 0: the workers
+        tell admin connections from proxy ones by it."""
+        return int(self.admin.getsockname()[1])
+
+
+def bind_listeners(host: str, port: int, admin_port: int) -> Listeners:
+    """Both sockets, or ``ListenError`` naming the one that could not bind."""
+    proxy = _bind(host, port)
+    try:
+        return Listeners(proxy, _bind(host, admin_port))
+    except ListenError:
+        proxy.close()
+        raise
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise ListenError(f"cannot listen on {address}: {exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -126,8 +164,7 @@ class GatewaySupervisor(Multiprocess):
 def serve(
     *,
     host: str,
-    port: int,
-    admin_port: int,
+    listeners: Listeners,
     workers: int,
     log_level: str,
     log_format: LogFormat,
@@ -141,10 +178,10 @@ def serve(
     config = EdgeServerConfig(
         GATEWAY_FACTORY,
         limits=limits,
-        admin_port=admin_port,
+        admin_port=listeners.admin_port,
         factory=True,
         host=host,
-        port=port,
+        port=listeners.port,
         workers=workers,
         loop="uvloop",
         # The proxy answers WebSocket scopes with a close; an Upgrade offer is ignored by
@@ -161,10 +198,9 @@ def serve(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
     )
-    sockets = [_bind(host, port), _bind(host, admin_port)]
     supervisor = GatewaySupervisor(
         config,
-        sockets,
+        [listeners.proxy, listeners.admin],
         gateway_config=gateway_config,
         reload_config=reload_config,
         drain=drain,
