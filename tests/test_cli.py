@@ -71,6 +71,18 @@ async def run_cli(
     return process.returncode, output.decode()
 
 
+def assert_refused_before_starting(
+    code: int, output: str, cwd: Path, *, exit_code: int, says: Sequence[str]
+) -> None:
+    """Refused with ``exit_code``, a message holding each of ``says`` and no traceback, before
+    anything started: no embedded database was created, nothing served."""
+    assert code == exit_code, output
+    for words in says:
+        assert words in output
+    assert "Traceback" not in output
+    assert not (cwd / EMBEDDED_DATABASE_FILE).exists()
+
+
 # ------------------------------------------------------------------------------- serve
 
 
@@ -156,11 +168,7 @@ async def test_a_bad_environment_value_exits_2_naming_the_variable(
 ) -> None:
     code, output = await run_cli(*command, env={variable: value}, cwd=tmp_path)
 
-    assert code == 2
-    assert f"{variable}: " in output
-    assert "Traceback" not in output
-    # Refused before anything started: no embedded database was created, nothing served.
-    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+    assert_refused_before_starting(code, output, tmp_path, exit_code=2, says=[f"{variable}: "])
 
 
 @pytest.mark.usefixtures("clean_environment")
@@ -177,10 +185,8 @@ async def test_one_port_for_the_proxy_and_the_admin_api_exits_2(
         env["GATEWAY_ADMIN_PORT"] = port
     code, output = await run_cli(*args, env=env, cwd=tmp_path)
 
-    assert code == 2
-    assert f"the admin port and the proxy port are both {port}" in output
-    assert "Traceback" not in output
-    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+    both = f"the admin port and the proxy port are both {port}"
+    assert_refused_before_starting(code, output, tmp_path, exit_code=2, says=[both])
 
 
 @pytest.mark.usefixtures("clean_environment")
@@ -200,10 +206,8 @@ async def test_a_flag_out_of_its_range_exits_2_naming_it_before_anything_starts(
 ) -> None:
     code, output = await run_cli("serve", "--upstream", "http://127.0.0.1:9", *args, cwd=tmp_path)
 
-    assert code == 2
-    assert f"argument {option}: {args[1]!r} is not" in output
-    assert "Traceback" not in output
-    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+    refusal = f"argument {option}: {args[1]!r} is not"
+    assert_refused_before_starting(code, output, tmp_path, exit_code=2, says=[refusal])
 
 
 @pytest.mark.usefixtures("clean_environment")
@@ -251,10 +255,8 @@ async def test_a_port_in_use_exits_1_naming_it_and_creates_nothing(
     finally:
         holder.close()
 
-    assert code == 1
-    assert f"error: cannot listen on 127.0.0.1:{busy}: Address already in use" in output
-    assert "Traceback" not in output
-    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+    refusal = f"error: cannot listen on 127.0.0.1:{busy}: Address already in use"
+    assert_refused_before_starting(code, output, tmp_path, exit_code=1, says=[refusal])
 
 
 class PickedPortsGateway(UpstreamOnlyGateway):
@@ -323,11 +325,9 @@ async def test_serve_with_a_bad_config_file_exits_2_naming_the_field(tmp_path: P
 
     code, output = await run_cli("serve", "--config", str(bad), cwd=tmp_path)
 
-    assert code == 2
-    assert "bad.yaml" in output
-    assert "routes.0.idempotency.on_ambiguous" in output
-    assert "Traceback" not in output
-    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()
+    assert_refused_before_starting(
+        code, output, tmp_path, exit_code=2, says=["bad.yaml", "routes.0.idempotency.on_ambiguous"]
+    )
 
 
 @pytest.mark.usefixtures("clean_environment")
@@ -343,11 +343,9 @@ async def test_serve_with_an_empty_or_short_admin_token_exits_2_naming_it(
         cwd=tmp_path,
     )
 
-    assert code == 2
-    assert "GATEWAY_ADMIN_TOKEN" in output
-    assert "16 characters" in output
-    assert "Traceback" not in output
-    assert not (tmp_path / EMBEDDED_DATABASE_FILE).exists()  # refused before the store
+    assert_refused_before_starting(
+        code, output, tmp_path, exit_code=2, says=["GATEWAY_ADMIN_TOKEN", "16 characters"]
+    )
 
 
 # ----------------------------------------------------------------------------- migrate

@@ -1,4 +1,5 @@
-"""Operating a fleet of real ``serve`` processes: config reload on SIGHUP and draining.
+"""Operating a fleet of real ``serve`` processes: config reload on SIGHUP, worker health
+and draining.
 
 Proves that SIGHUP brings an edited config file to every worker of ``serve --workers 2`` (and
 to a single worker) by replacing each one, while an invalid file is refused with the bad field
@@ -140,6 +141,54 @@ async def test_sighup_reloads_the_config_file_in_every_worker_and_refuses_an_inv
         assert "lifecycle.drain_grace" in refusal
         assert await all_served_by(gateway, new)
         assert worker_pids(gateway.pid) == second
+    assert gateway.returncode == 0
+
+
+# ------------------------------------------------------------------------------ health
+
+
+@pytest.mark.parametrize("hung", ["first", "second"])
+async def test_a_dead_worker_is_replaced_at_once_while_another_hangs(
+    tmp_path: Path,
+    sqlite_url: str,
+    upstreams: tuple[RecordingUpstream, RecordingUpstream],
+    hung: str,
+) -> None:
+    """The supervisor asks every worker at once: a hung worker (SIGSTOP) does not hold up the
+    replacement of a dead one for its whole health timeout (30 s), in which nothing served.
+    The supervisor asks its workers in the order they started, so a hung ``first`` is the case
+    that held the other up."""
+    upstream, _ = upstreams
+    gateway = GatewayProcess(
+        config_file(tmp_path, upstream.url),
+        env={"GATEWAY_DATABASE_URL": sqlite_url},
+        extra_args=["--workers", "2"],
+        log_dir=tmp_path,
+    )
+
+    def two_workers() -> list[int] | None:
+        pids = sorted(worker_pids(gateway.pid))
+        return pids if len(pids) == 2 else None
+
+    async with gateway:
+        first, second = await eventually(two_workers, message="2 workers running")
+        stopped, killed = (first, second) if hung == "first" else (second, first)
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            os.kill(killed, signal.SIGKILL)
+
+            async def served_by_a_replacement() -> bool:
+                replaced = worker_pids(gateway.pid) - {stopped, killed}
+                return bool(replaced) and await all_served_by(gateway, upstream)
+
+            await eventually(
+                served_by_a_replacement, timeout=25.0, message="the dead worker replaced"
+            )
+            # Still there: the dead worker was replaced before the hung one's timeout ran out.
+            assert stopped in worker_pids(gateway.pid)
+            assert f"worker {killed} died; starting another" in gateway.log_text()
+        finally:
+            os.kill(stopped, signal.SIGCONT)
     assert gateway.returncode == 0
 
 

@@ -96,11 +96,21 @@ def test_the_supervisor_methods_serve_overrides_or_calls(monkeypatch: pytest.Mon
         "handle_signals",
         "terminate_all",
         "run",
-        # Called on each turn of the supervisor's loop: the dead workers' gauges are reaped
-        # there (``GatewaySupervisor.keep_subprocess_alive``).
+        # Called on each turn of the supervisor's loop: the gateway's own health check of
+        # every worker at once, and the dead workers' gauges reaped
+        # (``GatewaySupervisor.keep_subprocess_alive``).
         "keep_subprocess_alive",
     ):
         assert _parameters(getattr(Multiprocess, name)) == ["self"], name
+    # A worker, as the health check replaces it: built, started, killed, joined.
+    assert _parameters(Process.__init__) == ["self", "config", "sockets"]
+    for name in ("start", "kill", "join"):
+        assert _parameters(getattr(Process, name)) == ["self"], name
+    assert isinstance(Process.pid, property)
+    assert "self.process = get_subprocess(" in inspect.getsource(Process.__init__)
+    # Each worker answers a ping on its pipe from a thread of its own (``worker_health``).
+    assert "self.child_conn.send(self.server.started)" in inspect.getsource(Process.pong)
+    assert 'self.parent_conn.send(b"ping")' in inspect.getsource(Process._healthcheck)
     # The supervisor installs its signal handlers when built: not in the test process.
     monkeypatch.setattr(signal, "signal", lambda *_: None)
     supervisor = Multiprocess(uvicorn.Config("tests:app", workers=1), sockets=[])

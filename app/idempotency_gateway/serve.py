@@ -14,6 +14,9 @@ The supervisor is uvicorn's, plus what a fleet needs from it:
   ``lifecycle.drain_grace``; then the workers stop as uvicorn stops them (listeners close,
   in-flight requests finish, executions finalize) and the process exits 0.
 * SIGINT (Ctrl-C) stops at once, without the grace.
+* Every half second every worker is asked at once whether it lives: one that exited is
+  replaced as soon as that is seen, one that stays silent for ``WORKER_HEALTHCHECK_SECONDS``
+  (stopped, or stuck holding the interpreter) is killed and replaced.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from dataclasses import dataclass
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
+from uvicorn.supervisors.multiprocess import Process
 
 from idempotency_gateway.config import ConfigError, GatewayConfig, LimitsConfig
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.main import RESOLVED_CONFIG_ENV
 from idempotency_gateway.server.protocol import EdgeServerConfig
+from idempotency_gateway.server.worker_health import failing_workers
 from idempotency_gateway.telemetry.logs import LogFormat, uvicorn_log_config
 from idempotency_gateway.telemetry.multiprocess import dead_worker_reaper
 
@@ -146,9 +151,46 @@ class GatewaySupervisor(Multiprocess):
             self.should_exit.set()
 
     def keep_subprocess_alive(self) -> None:
-        super().keep_subprocess_alive()
+        # uvicorn's own asks one worker after another, each for up to the health timeout: a
+        # hung worker held up the replacement of one that had died behind it, and for that
+        # long nothing served. Here every worker is asked at once, and one that exits is
+        # replaced as soon as it does.
+        if self.should_exit.is_set():
+            return
+        for process, answered in failing_workers(
+            self.processes, timeout=self.config.timeout_worker_healthcheck
+        ):
+            if not self._replace(process, answered=answered):
+                return
         if self._reaper is not None:
             self._reaper.reap()
+
+    def _replace(self, process: Process, *, answered: bool) -> bool:
+        """A new worker in ``process``'s place; ``False`` when the supervisor is to stop."""
+        process.kill()
+        process.join()
+        if process.exitcode == STARTUP_FAILURE:
+            # It failed before serving: the app, the config or the sockets would fail the
+            # same way in every replacement.
+            log.error("worker %s failed to start; stopping", process.pid)
+            self.should_exit.set()
+            return False
+        if self.should_exit.is_set():
+            return False
+        if answered:
+            log.info("worker %s died; starting another", process.pid)
+        else:
+            log.error(
+                "worker %s did not answer its health check in %gs; killed it, starting another",
+                process.pid,
+                self.config.timeout_worker_healthcheck,
+            )
+        replacement = Process(self.config, self.sockets)
+        replacement.start()
+        self.processes[self.processes.index(process)] = replacement
+        if self._reaper is not None:
+            self._reaper.reap()
+        return True
 
     def terminate_all(self) -> None:
         # Our copies of the listening sockets would keep them open once the workers close
