@@ -31,6 +31,7 @@ from alembic.script import ScriptDirectory
 from idempotency_gateway.cli import main
 from idempotency_gateway.config import StoreConfig
 from idempotency_gateway.migrate import alembic_config
+from idempotency_gateway.server.listeners import ListenError, bind_listeners, listening_socket
 from idempotency_gateway.storage import open_store
 from idempotency_gateway.storage.base import Claim
 from idempotency_gateway.storage.records import RecordKey
@@ -197,6 +198,8 @@ async def test_one_port_for_the_proxy_and_the_admin_api_exits_2(
         pytest.param(["--admin-port", "65536"], "--admin-port", id="admin-port-above-65535"),
         pytest.param(["--port", "-1"], "--port", id="negative-port"),
         pytest.param(["--admin-port", "http"], "--admin-port", id="port-not-a-number"),
+        pytest.param(["--port", "8_080"], "--port", id="port-with-underscore"),
+        pytest.param(["--port", "\u0668\u0660\u0668\u0660"], "--port", id="port-in-other-digits"),
         pytest.param(["--workers", "0"], "--workers", id="no-workers"),
         pytest.param(["--workers", "-2"], "--workers", id="negative-workers"),
     ],
@@ -257,6 +260,47 @@ async def test_a_port_in_use_exits_1_naming_it_and_creates_nothing(
 
     refusal = f"error: cannot listen on 127.0.0.1:{busy}: Address already in use"
     assert_refused_before_starting(code, output, tmp_path, exit_code=1, says=[refusal])
+
+
+@pytest.mark.usefixtures("clean_environment")
+async def test_the_demo_on_a_port_in_use_exits_1_naming_it_and_creates_nothing(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        code, output = await run_cli("demo", "--upstream-port", str(port), cwd=tmp_path)
+
+    refusal = f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert_refused_before_starting(code, output, tmp_path, exit_code=1, says=[refusal])
+
+
+@pytest.mark.usefixtures("clean_environment")
+async def test_the_demo_on_one_port_for_both_servers_exits_2(tmp_path: Path) -> None:
+    port = str(free_port())
+    code, output = await run_cli("demo", "--port", port, "--upstream-port", port, cwd=tmp_path)
+
+    both = f"the demo and its payments API are both on {port}"
+    assert_refused_before_starting(code, output, tmp_path, exit_code=2, says=[both])
+
+
+def test_a_listener_holds_its_port_from_the_moment_it_is_made() -> None:
+    """Listening at once, not only bound: a second process binding the port the same way
+    (SO_REUSEADDR) is refused, where two bound sockets that do not yet listen may share it
+    and two gateways started together would both have said they started."""
+    listeners = bind_listeners("127.0.0.1", 0, 0)
+    try:
+        for port in (listeners.port, listeners.admin_port):
+            with pytest.raises(ListenError, match=f"127.0.0.1:{port}: Address already in use"):
+                listening_socket("127.0.0.1", port)
+            with socket.socket() as rival:
+                rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                with pytest.raises(OSError, match="Address already in use"):
+                    rival.bind(("127.0.0.1", port))
+    finally:
+        listeners.proxy.close()
+        listeners.admin.close()
 
 
 class PickedPortsGateway(UpstreamOnlyGateway):

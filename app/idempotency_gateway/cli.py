@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -31,11 +32,15 @@ from idempotency_gateway.extras import (
     require_server,
 )
 from idempotency_gateway.routing import check_routes
+from idempotency_gateway.server.listeners import ListenError, bind_listeners
 from idempotency_gateway.telemetry.multiprocess import MULTIPROCESS_ENV, prepare_metrics_directory
 from idempotency_gateway.telemetry.startup import log_startup
 
 # Everything else is imported by the command that needs it: `serve --workers N` must set the
 # metrics directory before prometheus_client is imported anywhere in this process.
+
+
+_WHOLE_NUMBER = re.compile(r"\s*[+-]?[0-9]{1,9}\s*", re.ASCII)
 
 
 def _port(text: str) -> int:
@@ -63,10 +68,11 @@ def _positive(text: str) -> int:
 
 
 def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    # ASCII digits only, as the environment's settings take them: int() alone would also take
+    # other scripts' digits and underscores.
+    if not _WHOLE_NUMBER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text[:20]!r} is not a whole number")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,14 +173,12 @@ def _run_server(
     from idempotency_gateway.drain import DRAIN_MARKER_ENV, DrainState
     from idempotency_gateway.idempotency.scope_secret import resolve_scope_secret
     from idempotency_gateway.migrate import upgrade_to_head
-    from idempotency_gateway.serve import ListenError, bind_listeners, serve
+    from idempotency_gateway.serve import serve
 
     admin_port = args.admin_port if args.admin_port is not None else settings.admin_port
     if admin_port == args.port != 0:
-        # Both sockets bind (SO_REUSEADDR, neither listening yet) and each connection then
-        # reaches either one: the proxy's clients answered by the admin API, and its 404s.
         raise ConfigError(
-            "command line",
+            "command line" if args.admin_port is not None else "GATEWAY_ADMIN_PORT",
             [f"the admin port and the proxy port are both {admin_port}: give each its own"],
         )
     database_url = database_url_or_default(settings.database_url)
@@ -184,12 +188,8 @@ def _run_server(
         require_redis()
     check_admin_token(settings.admin_token)
     _servable(config)
-    try:
-        # Bound before the store is touched: a port in use leaves nothing created behind.
-        listeners = bind_listeners(args.host, args.port, admin_port)
-    except ListenError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    # Listening before the store is touched: a port in use leaves nothing created behind.
+    listeners = bind_listeners(args.host, args.port, admin_port)
     resolve_scope_secret(settings.scope_secret, database_url)
     if database_url.startswith("sqlite"):
         # Migrate once here, before any worker starts, so workers never race on DDL.
@@ -307,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MissingExtra as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

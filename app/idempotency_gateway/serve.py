@@ -26,7 +26,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
@@ -36,6 +35,7 @@ from uvicorn.supervisors.multiprocess import Process
 from idempotency_gateway.config import ConfigError, GatewayConfig, LimitsConfig
 from idempotency_gateway.drain import DrainState
 from idempotency_gateway.main import RESOLVED_CONFIG_ENV
+from idempotency_gateway.server.listeners import BACKLOG, Listeners
 from idempotency_gateway.server.protocol import EdgeServerConfig
 from idempotency_gateway.server.worker_health import failing_workers
 from idempotency_gateway.telemetry.logs import LogFormat, uvicorn_log_config
@@ -50,52 +50,6 @@ GRACEFUL_SHUTDOWN_SECONDS = 30
 # replaces it. uvicorn's 5 s kills workers that are merely starved of CPU (a busy host, a
 # worker still importing at start), and each replacement starts the slow import again.
 WORKER_HEALTHCHECK_SECONDS = 30
-
-
-class ListenError(Exception):
-    """A listener could not bind: its port is taken, or the host is not this machine's."""
-
-
-@dataclass(frozen=True)
-class Listeners:
-    """The proxy's and the admin API's sockets, bound, not yet listening."""
-
-    proxy: socket.socket
-    admin: socket.socket
-
-    @property
-    def port(self) -> int:
-        return int(self.proxy.getsockname()[1])
-
-    @property
-    def admin_port(self) -> int:
-        """The port bound, which differs from the one asked for when that was 0: the workers
-        tell admin connections from proxy ones by it."""
-        return int(self.admin.getsockname()[1])
-
-
-def bind_listeners(host: str, port: int, admin_port: int) -> Listeners:
-    """Both sockets, or ``ListenError`` naming the one that could not bind."""
-    proxy = _bind(host, port)
-    try:
-        return Listeners(proxy, _bind(host, admin_port))
-    except ListenError:
-        proxy.close()
-        raise
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
-        raise ListenError(f"cannot listen on {address}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 class GatewaySupervisor(Multiprocess):
@@ -239,6 +193,8 @@ def serve(
         proxy_headers=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
+        # The sockets already listen with it; each worker's listen() names it again.
+        backlog=BACKLOG,
     )
     supervisor = GatewaySupervisor(
         config,

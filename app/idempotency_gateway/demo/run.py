@@ -8,9 +8,12 @@ import contextlib
 
 import uvicorn
 
-from idempotency_gateway.config import validate_config
+from idempotency_gateway.config import ConfigError, validate_config
 from idempotency_gateway.demo.payments import create_payments_app
 from idempotency_gateway.main import create_gateway
+from idempotency_gateway.server.listeners import listening_socket
+
+_HOST = "127.0.0.1"
 
 
 def _demo_config(upstream_port: int) -> dict[str, object]:
@@ -29,7 +32,7 @@ def _demo_config(upstream_port: int) -> dict[str, object]:
 
 
 def _curl_lines(port: int) -> str:
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://{_HOST}:{port}"
     charge = (
         f"curl -si {base}/v1/charges -H 'Authorization: Bearer sk_demo' "
         "-H 'Content-Type: application/json'"
@@ -61,23 +64,24 @@ Press Ctrl-C to stop.
 
 
 async def _serve_both(port: int, upstream_port: int) -> None:
+    # Listening first: a port in use is refused by name before the store is created.
+    gateway_socket = listening_socket(_HOST, port)
+    upstream_socket = listening_socket(_HOST, upstream_port)
     upstream = uvicorn.Server(
-        uvicorn.Config(
-            create_payments_app(), host="127.0.0.1", port=upstream_port, log_level="warning"
-        )
+        uvicorn.Config(create_payments_app(), host=_HOST, port=upstream_port, log_level="warning")
     )
     gateway = uvicorn.Server(
         uvicorn.Config(
             create_gateway(validate_config(_demo_config(upstream_port), source="demo")),
-            host="127.0.0.1",
+            host=_HOST,
             port=port,
             log_level="warning",
             lifespan="on",
             server_header=False,
         )
     )
-    upstream_task = asyncio.create_task(upstream.serve())
-    gateway_task = asyncio.create_task(gateway.serve())
+    upstream_task = asyncio.create_task(upstream.serve(sockets=[upstream_socket]))
+    gateway_task = asyncio.create_task(gateway.serve(sockets=[gateway_socket]))
     while not (upstream.started and gateway.started):
         if upstream_task.done() or gateway_task.done():
             break
@@ -88,6 +92,10 @@ async def _serve_both(port: int, upstream_port: int) -> None:
 
 
 def run_demo(*, port: int, upstream_port: int) -> int:
+    if port == upstream_port:
+        raise ConfigError(
+            "command line", [f"the demo and its payments API are both on {port}: give each its own"]
+        )
     # Ctrl-C is how the banner says to stop. Both servers have shut down gracefully by the
     # time uvicorn re-raises the signal, and that must not end in a traceback.
     with contextlib.suppress(KeyboardInterrupt):
