@@ -1,6 +1,7 @@
 """The replay cache and the wake-ups on a real Redis Cluster of three private nodes.
 
-Entries of keys spread over every slot range are stored and read back; a wake-up published by
+Entries of keys spread over every slot range are stored and read back, and kept out after an
+operator's delete; a wake-up published by
 one client reaches a waiter subscribed through another (two gateways' worth of clients); a
 primary killed with SIGKILL costs misses, never an exception, readiness names it, and once it
 is restarted the cache works again.
@@ -66,6 +67,20 @@ async def test_entries_on_every_node_are_stored_and_replayed(
         found = await cache.get(key)
         assert found is not None
         assert found.response.body == key.idempotency_key.encode()
+    assert await cache.health() == "ok"
+
+
+async def test_an_operators_delete_keeps_answers_out_on_every_node(
+    cache: RedisCache, keys: list[RecordKey]
+) -> None:
+    """As on one node (``test_replay_cache``): an answer stored after the operator's delete
+    of its entry, by a replay that read the record before, is refused."""
+    for key in keys:
+        await cache.put(answer_for(key))
+        assert await cache.delete(key) is True
+        assert await cache.put(answer_for(key)) is True  # asked, and refused by the script
+    for key in keys:
+        assert await cache.get(key) is None
     assert await cache.health() == "ok"
 
 

@@ -35,6 +35,7 @@ from idempotency_gateway.replay.cache import (
     decode,
     encode,
 )
+from idempotency_gateway.replay.redis_adapter import INVALIDATED
 from idempotency_gateway.replay.redis_cache import RedisCache
 from idempotency_gateway.replay.redis_connect import connect_redis
 from idempotency_gateway.resilience.breaker import BreakerState
@@ -271,6 +272,38 @@ async def test_redis_cache_reads_a_bad_entry_as_a_miss(
 
     assert await redis_cache.get(fresh_key) is None
     assert not redis_cache.degraded  # a bad entry is not a sick Redis
+
+
+async def test_an_answer_read_before_an_operators_delete_is_not_put_back_after_it(
+    redis_cache: RedisCache, redis_client: redis.asyncio.Redis, fresh_key: RecordKey
+) -> None:
+    """A replay that read the record just before an operator deleted or expired it stores
+    its answer after the operator's last delete of the entry: refused, for
+    ``INVALIDATION_GUARD``, as in each process's own copies. Before, the old answer went
+    back into Redis for the rest of the record's life and was replayed for it."""
+    answer = answer_for(fresh_key, expires_in=3600)
+    name = cache_key(fresh_key)
+    await redis_cache.put(answer)
+
+    assert await redis_cache.delete(fresh_key) is True  # the operator's
+    await redis_cache.put(answer)  # the replay that read the record before the change
+
+    assert await redis_cache.get(fresh_key) is None
+    assert not redis_cache.degraded  # the marker is a miss, not a bad entry
+    assert await redis_client.get(name) == INVALIDATED
+    assert 0 < await redis_client.pttl(name) <= INVALIDATION_GUARD * 1000
+
+    # Once the guard is over, answers are stored again (the key executed anew).
+    await redis_client.pexpire(name, 1)
+
+    async def marker_gone() -> bool:
+        return await redis_client.exists(name) == 0
+
+    await eventually(marker_gone, timeout=5.0, message="the marker gone")
+    await redis_cache.put(answer)
+    found = await redis_cache.get(fresh_key)
+    assert found is not None
+    assert found.response == answer.response
 
 
 # ------------------------------------------------------------------ through the gateway

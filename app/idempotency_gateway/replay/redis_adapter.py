@@ -26,6 +26,24 @@ if TYPE_CHECKING:
 
 _CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
 
+# What an operator's delete leaves in a cache entry's place for a while: never an entry (no
+# newline), so a read of it is a miss, and a store of an answer over it is refused. A replay
+# that read the record just before the operator changed it thus cannot put the old answer
+# back after the operator's last delete of the entry, in Redis as in each process's own copies.
+INVALIDATED = b"idgw:invalidated"
+
+# SET with a TTL unless the entry is the marker; its length is compared first, so an
+# answer's body is never copied into the script, and with ``pcall``, so that a value of
+# another type is replaced as a plain SET replaces it. KEYS[1]: the entry; ARGV: the value,
+# the TTL in milliseconds, the marker. Answers 1 when stored, 0 when refused.
+SET_UNLESS_INVALIDATED = """
+if redis.pcall('STRLEN', KEYS[1]) == #ARGV[3] and redis.call('GET', KEYS[1]) == ARGV[3] then
+    return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 # A stream entry's fields, and a stream's entries with their ids, as Redis sends them.
 Fields = dict[bytes, bytes]
 Entries = list[tuple[bytes, Fields]]
@@ -49,12 +67,15 @@ class RedisAdapter(Protocol):
         ...
 
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
-        """SET with a TTL and a wake-up on ``channel``, in one round trip."""
+        """SET with a TTL (``SET_UNLESS_INVALIDATED``) and a wake-up on ``channel``, in one
+        round trip."""
         ...
 
     async def publish(self, channel: str) -> None: ...
 
-    async def delete(self, name: str) -> None: ...
+    async def invalidate(self, name: str, *, ttl_ms: int) -> None:
+        """Replace the entry with ``INVALIDATED`` for ``ttl_ms``."""
+        ...
 
     async def ping(self) -> bool: ...
 

@@ -5,7 +5,8 @@ timeout in milliseconds, every failure is a miss, and a small circuit breaker st
 dead Redis on every request (half-open probes find it again when it returns). Failures are
 logged at most once per interval, with the number that were not logged.
 
-Round trips: a replay is one GET; storing an answer is one pipelined SET + PUBLISH, which
+Round trips: a replay is one GET; storing an answer is one pipelined SET + PUBLISH (the SET
+a script that refuses to overwrite an operator's delete, ``redis_adapter.INVALIDATED``), which
 also wakes ``Prefer: wait`` waiters in other processes (see ``wakeups``). On a cluster the
 wake-up is a sharded SPUBLISH: the key's entry and its channel share a hash tag, so both
 commands go to the one node that owns the key, in one round trip.
@@ -23,13 +24,14 @@ from idempotency_gateway.clock import Monotonic, lease_clock
 from idempotency_gateway.config import BreakerConfig
 from idempotency_gateway.errors import CircuitOpen
 from idempotency_gateway.replay.cache import (
+    INVALIDATION_GUARD,
     CachedAnswer,
     cache_key,
     cache_lookups,
     decode,
     encode,
 )
-from idempotency_gateway.replay.redis_adapter import RedisAdapter
+from idempotency_gateway.replay.redis_adapter import INVALIDATED, RedisAdapter
 from idempotency_gateway.replay.redis_deadline import RedisDeadline
 from idempotency_gateway.replay.redis_unavailable import RedisUnavailable
 from idempotency_gateway.replay.wakeups import channel_for
@@ -49,6 +51,8 @@ CACHE_BREAKER = BreakerConfig(
     window=10.0, min_calls=5, failure_rate=0.5, slow_call=1.0, open_for=2.0, half_open_calls=1
 )
 
+# An operator's delete keeps answers out of Redis as long as out of each process's copies.
+_GUARD_MS = int(INVALIDATION_GUARD * 1000)
 
 _cache_latency = observations(CACHE_LATENCY)
 
@@ -146,6 +150,9 @@ class RedisCache:
         if raw is FAILED:
             cache_lookups("error").inc()
             return None
+        if raw == INVALIDATED:
+            cache_lookups("miss").inc()
+            return None
         answer = decode(raw, key, expires_at=expires_at) if isinstance(raw, bytes) else None
         if raw is not None and answer is None:
             self.degradation.failed(ValueError("unreadable cache entry, ignored"))
@@ -172,10 +179,13 @@ class RedisCache:
         return stored is not FAILED
 
     async def delete(self, key: RecordKey) -> bool:
-        """False when Redis could not be asked: the caller decides whether that matters."""
-        return (
-            await self._guarded("delete", lambda: self.redis.delete(cache_key(key))) is not FAILED
-        )
+        """Replace the entry with the marker that keeps answers out for
+        ``INVALIDATION_GUARD``. False when Redis could not be asked: the caller decides
+        whether that matters."""
+        name = cache_key(key)
+        invalidate = self.redis.invalidate
+        marked = await self._guarded("delete", lambda: invalidate(name, ttl_ms=_GUARD_MS))
+        return marked is not FAILED
 
     def invalidate(self, keys: Iterable[RecordKey]) -> None:
         """Nothing to drop: every process reads the one copy in Redis, which the admin API

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import RedisCluster
 
 from idempotency_gateway.replay.cluster_wakeups import ClusterWakeups
+from idempotency_gateway.replay.redis_adapter import INVALIDATED, SET_UNLESS_INVALIDATED
 from idempotency_gateway.replay.redis_commands import CommandClient
 from idempotency_gateway.replay.redis_connection import (
     NodeSubscriber,
@@ -84,7 +85,7 @@ class ClusterRedis(CommandClient):
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
         with redis_failures():
             async with self._client.pipeline(transaction=False) as pipe:
-                pipe.set(name, value, px=ttl_ms)
+                pipe.eval(SET_UNLESS_INVALIDATED, 1, name, value, ttl_ms, INVALIDATED)
                 pipe.spublish(channel, b"1")
                 await pipe.execute()
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from redis.asyncio import Redis, RedisCluster
 
-from idempotency_gateway.replay.redis_adapter import Entries, StreamAppend
+from idempotency_gateway.replay.redis_adapter import INVALIDATED, Entries, StreamAppend
 from idempotency_gateway.replay.redis_connection import redis_failures
 
 
@@ -23,9 +23,9 @@ class CommandClient:
         self._client = client
         self._reader = reader
 
-    async def delete(self, name: str) -> None:
+    async def invalidate(self, name: str, *, ttl_ms: int) -> None:
         with redis_failures():
-            await self._client.delete(name)
+            await self._client.set(name, INVALIDATED, px=ttl_ms)
 
     async def ping(self) -> bool:
         with redis_failures():

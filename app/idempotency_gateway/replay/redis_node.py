@@ -1,8 +1,8 @@
 """``RedisAdapter`` on a single Redis node.
 
-A replay's GET and an answer's SET + PUBLISH go on connections of the client's own pool,
-past redis-py's per-call layers (``redis_direct``), each loop iteration's together in one
-pipeline; everything else through the client.
+A replay's GET and an answer's SET (the script ``SET_UNLESS_INVALIDATED``) + PUBLISH go on
+connections of the client's own pool, past redis-py's per-call layers (``redis_direct``),
+each loop iteration's together in one pipeline; everything else through the client.
 Wake-ups listen on one pub/sub connection of a client of their own, whose reads block, and
 live streams' followers read on another (``redis_commands``).
 """
@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
+from idempotency_gateway.replay.redis_adapter import INVALIDATED, SET_UNLESS_INVALIDATED
 from idempotency_gateway.replay.redis_commands import CommandClient
 from idempotency_gateway.replay.redis_connection import NodeSubscriber, node_client, redis_failures
 from idempotency_gateway.replay.redis_direct import DirectCommands
@@ -55,7 +56,8 @@ class NodeRedis(CommandClient):
     async def set_and_publish(self, name: str, value: bytes, *, ttl_ms: int, channel: str) -> None:
         with redis_failures():
             await self._direct.run_batched(
-                ("SET", name, value, "PX", ttl_ms), ("PUBLISH", channel, b"1")
+                ("EVAL", SET_UNLESS_INVALIDATED, 1, name, value, ttl_ms, INVALIDATED),
+                ("PUBLISH", channel, b"1"),
             )
 
     async def publish(self, channel: str) -> None:
