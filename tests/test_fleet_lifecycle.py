@@ -175,18 +175,25 @@ async def test_a_dead_worker_is_replaced_at_once_while_another_hangs(
         stopped, killed = (first, second) if hung == "first" else (second, first)
         os.kill(stopped, signal.SIGSTOP)
         try:
-            os.kill(killed, signal.SIGKILL)
+            # The first dies with the hung one; then its replacement dies too, while the
+            # supervisor has long been waiting for the hung one's answer.
+            dead = [killed]
+            for _ in range(2):
+                os.kill(dead[-1], signal.SIGKILL)
 
-            async def served_by_a_replacement() -> bool:
-                replaced = worker_pids(gateway.pid) - {stopped, killed}
-                return bool(replaced) and await all_served_by(gateway, upstream)
+                async def served_by_a_replacement() -> set[int] | None:
+                    replaced = worker_pids(gateway.pid) - {stopped, *dead}
+                    served = replaced and await all_served_by(gateway, upstream)
+                    return replaced if served else None
 
-            await eventually(
-                served_by_a_replacement, timeout=25.0, message="the dead worker replaced"
-            )
-            # Still there: the dead worker was replaced before the hung one's timeout ran out.
+                (replacement,) = await eventually(
+                    served_by_a_replacement, timeout=25.0, message="the dead worker replaced"
+                )
+                dead.append(replacement)
+            # Still there: each dead worker was replaced before the hung one's timeout ran out.
             assert stopped in worker_pids(gateway.pid)
-            assert f"worker {killed} died; starting another" in gateway.log_text()
+            for pid in dead[:2]:
+                assert f"worker {pid} died; starting another" in gateway.log_text()
         finally:
             os.kill(stopped, signal.SIGCONT)
     assert gateway.returncode == 0

@@ -14,9 +14,10 @@ The supervisor is uvicorn's, plus what a fleet needs from it:
   ``lifecycle.drain_grace``; then the workers stop as uvicorn stops them (listeners close,
   in-flight requests finish, executions finalize) and the process exits 0.
 * SIGINT (Ctrl-C) stops at once, without the grace.
-* Every half second every worker is asked at once whether it lives: one that exited is
-  replaced as soon as that is seen, one that stays silent for ``WORKER_HEALTHCHECK_SECONDS``
-  (stopped, or stuck holding the interpreter) is killed and replaced.
+* On every turn of its loop (every half second) every worker is asked whether it lives,
+  without waiting for the answers: one that exited is replaced at once, one that leaves a
+  ping unanswered for ``WORKER_HEALTHCHECK_SECONDS`` (stopped, or stuck holding the
+  interpreter) is killed and replaced, and signals are handled meanwhile.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from idempotency_gateway.drain import DrainState
 from idempotency_gateway.main import RESOLVED_CONFIG_ENV
 from idempotency_gateway.server.listeners import BACKLOG, Listeners
 from idempotency_gateway.server.protocol import EdgeServerConfig
-from idempotency_gateway.server.worker_health import failing_workers
+from idempotency_gateway.server.worker_health import WorkerHealth
 from idempotency_gateway.telemetry.logs import LogFormat, uvicorn_log_config
 from idempotency_gateway.telemetry.multiprocess import dead_worker_reaper
 
@@ -68,6 +69,7 @@ class GatewaySupervisor(Multiprocess):
         self._drain = drain
         self._drain_ends: float | None = None
         self._reaper = dead_worker_reaper()
+        self._health: WorkerHealth[Process] = WorkerHealth(timeout=WORKER_HEALTHCHECK_SECONDS)
         os.environ[RESOLVED_CONFIG_ENV] = gateway_config.model_dump_json()
 
     def handle_hup(self) -> None:
@@ -87,6 +89,8 @@ class GatewaySupervisor(Multiprocess):
         log.info("config reloaded; replacing the workers one at a time")
         before = set(self.processes)
         super().handle_hup()
+        if self._reaper is not None:
+            self._reaper.watch(process.pid for process in self.processes)
         if before & set(self.processes):
             log.error("config reload incomplete: a new worker did not start; see above")
 
@@ -105,21 +109,18 @@ class GatewaySupervisor(Multiprocess):
             self.should_exit.set()
 
     def keep_subprocess_alive(self) -> None:
-        # uvicorn's own asks one worker after another, each for up to the health timeout: a
-        # hung worker held up the replacement of one that had died behind it, and for that
-        # long nothing served. Here every worker is asked at once, and one that exits is
-        # replaced as soon as it does.
+        # Replaces uvicorn's, which asks one worker after another and waits for each: see
+        # ``server.worker_health``. This turn never waits.
         if self.should_exit.is_set():
             return
-        for process, answered in failing_workers(
-            self.processes, timeout=self.config.timeout_worker_healthcheck
-        ):
-            if not self._replace(process, answered=answered):
+        for process, exited in self._health.failing(self.processes):
+            if not self._replace(process, exited=exited):
                 return
         if self._reaper is not None:
+            self._reaper.watch(process.pid for process in self.processes)
             self._reaper.reap()
 
-    def _replace(self, process: Process, *, answered: bool) -> bool:
+    def _replace(self, process: Process, *, exited: bool) -> bool:
         """A new worker in ``process``'s place; ``False`` when the supervisor is to stop."""
         process.kill()
         process.join()
@@ -131,7 +132,7 @@ class GatewaySupervisor(Multiprocess):
             return False
         if self.should_exit.is_set():
             return False
-        if answered:
+        if exited:
             log.info("worker %s died; starting another", process.pid)
         else:
             log.error(
@@ -143,7 +144,9 @@ class GatewaySupervisor(Multiprocess):
         replacement.start()
         self.processes[self.processes.index(process)] = replacement
         if self._reaper is not None:
-            self._reaper.reap()
+            # Known from its start: a worker that dies before a turn sees it alive still has
+            # its gauges dropped.
+            self._reaper.watch([replacement.pid])
         return True
 
     def terminate_all(self) -> None:

@@ -1,8 +1,14 @@
-"""Which of the supervisor's workers to replace: every worker is asked at once.
+"""Which of the supervisor's workers to replace, judged on every turn of its loop.
 
 Each worker of uvicorn's supervisor answers a ping on its pipe from a thread of its own, so a
 worker whose process runs answers at once, whatever its event loop is doing, and one that does
 not answer within the health timeout is hung (stopped, or stuck holding the interpreter).
+
+uvicorn's own check pings one worker and waits for it before asking the next: one hung worker
+held up the supervisor for the whole timeout, and with it the replacement of any other worker
+that died meanwhile, and the handling of SIGHUP and SIGTERM. Here nothing waits: each turn
+sends a ping to every worker not already asked, reads the answers that came, and names the
+workers that exited and those whose ping has gone unanswered for the timeout.
 """
 
 from __future__ import annotations
@@ -10,9 +16,9 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import time
-from collections.abc import Iterator, Sequence
-from multiprocessing.connection import Connection, wait
-from typing import Protocol, TypeVar
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Generic, Protocol, TypeVar
 
 
 class Worker(Protocol):
@@ -28,50 +34,52 @@ class Worker(Protocol):
 W = TypeVar("W", bound=Worker)
 
 
-def failing_workers(processes: Sequence[W], *, timeout: float) -> Iterator[tuple[W, bool]]:
-    """Ping every worker, then yield each one that exits as soon as it is seen to, and last
-    each that has not answered ``timeout`` seconds after its ping. With each, whether it
-    exited (``True``) or stayed silent (``False``)."""
-    asked: list[W] = []
-    for process in processes:
-        if process.process.is_alive() and _ping(process):
-            asked.append(process)
-        else:
-            yield process, True
-    deadline = time.monotonic() + timeout
-    while asked and (remaining := deadline - time.monotonic()) > 0:
-        handles = [handle for process in asked for handle in _handles(process)]
-        ready = set(wait(handles, remaining))
-        silent = []
-        for process in asked:
-            if process.process.sentinel in ready:
-                yield process, True
-            elif process.parent_conn not in ready:
-                silent.append(process)
-            elif not _pong(process):
-                yield process, True
-        asked = silent
-    for process in asked:
-        yield process, False
+class WorkerHealth(Generic[W]):
+    def __init__(self, *, timeout: float) -> None:
+        self.timeout = timeout
+        # Worker -> when its unanswered ping was sent (time.monotonic).
+        self._asked: dict[W, float] = {}
+
+    def failing(self, workers: Sequence[W]) -> list[tuple[W, bool]]:
+        """The workers to replace, each with whether it exited (``True``) or has left a ping
+        unanswered for ``timeout`` seconds (``False``). Never waits."""
+        now = time.monotonic()
+        failing: list[tuple[W, bool]] = []
+        asked: dict[W, float] = {}
+        for worker in workers:
+            verdict = self._judge(worker, now)
+            if isinstance(verdict, bool):
+                failing.append((worker, verdict))
+            elif verdict is not None:
+                asked[worker] = verdict
+        self._asked = asked  # workers replaced or gone are forgotten with their pings
+        return failing
+
+    def _judge(self, worker: W, now: float) -> bool | float | None:
+        """``True``/``False`` to replace it (exited/silent); else when its pending ping was
+        sent, or ``None`` when it has none (it answered)."""
+        if not worker.process.is_alive():
+            return True
+        asked_at = self._asked.get(worker)
+        if asked_at is None:
+            return now if _ping(worker) else True
+        if worker.parent_conn.poll():
+            return None if _pong(worker) else True
+        return False if now - asked_at >= self.timeout else asked_at
 
 
-def _handles(process: Worker) -> tuple[Connection[object, object], int]:
-    """Its pipe, readable once it answers, and its sentinel, readable once it exits."""
-    return process.parent_conn, process.process.sentinel
-
-
-def _ping(process: Worker) -> bool:
+def _ping(worker: Worker) -> bool:
     try:
-        process.parent_conn.send(b"ping")
+        worker.parent_conn.send(b"ping")
     except OSError:
         return False
     return True
 
 
-def _pong(process: Worker) -> bool:
+def _pong(worker: Worker) -> bool:
     """Read the answer (whether its server has started); ``False`` if the pipe broke."""
     try:
-        process.parent_conn.recv()
+        worker.parent_conn.recv()
     except (OSError, EOFError, pickle.UnpicklingError):
         return False
     return True

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -63,20 +64,29 @@ class DeadWorkerReaper:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        # Only pids once seen alive as our children: a directory shared with another
-        # supervisor (PROMETHEUS_MULTIPROC_DIR is the operator's to set) keeps its workers.
+        # Only pids started by this supervisor (``watch``) or once seen alive as its children:
+        # a directory shared with another supervisor (PROMETHEUS_MULTIPROC_DIR is the
+        # operator's to set) keeps its workers.
         self._workers: set[int] = set()
+
+    def watch(self, pids: Iterable[int | None]) -> None:
+        """Workers the supervisor started: reaped once they exit, even if no turn of its loop
+        saw them alive."""
+        self._workers.update(pid for pid in pids if pid is not None)
 
     def reap(self) -> None:
         from prometheus_client import multiprocess
 
-        for pid in metric_file_pids(self.directory):
+        with_files = metric_file_pids(self.directory)
+        for pid in with_files:
             if is_live_child(pid):
                 self._workers.add(pid)
             elif pid in self._workers:
                 multiprocess.mark_process_dead(pid, self.directory)  # type: ignore[no-untyped-call]
                 self._workers.discard(pid)
                 log.info("dropped the live gauges of exited worker %d", pid)
+        # A worker that exited before writing any file has nothing to drop: forget it.
+        self._workers = {pid for pid in self._workers if pid in with_files or is_live_child(pid)}
 
 
 def dead_worker_reaper() -> DeadWorkerReaper | None:
