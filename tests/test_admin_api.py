@@ -52,6 +52,7 @@ from tests.support.keyed import (
     send_keyed,
 )
 from tests.support.problems import assert_problem
+from tests.support.raw_http import exchange, request_bytes
 from tests.support.servers import TEST_SCOPE_SECRET
 from tests.support.upstream import BEHAVIOR_HEADER
 
@@ -838,3 +839,56 @@ async def test_nul_is_checked_only_after_the_token(gateway: AdminGateway) -> Non
     )
 
     assert_problem(answer, 401, "unauthorized")
+
+
+@pytest.mark.parametrize("credentials", [{}, ADMIN], ids=["no-token", "token"])
+async def test_an_admin_body_over_its_bound_is_refused_without_reading_it_whole(
+    gateway: AdminGateway, payments: str, credentials: dict[str, str]
+) -> None:
+    """Admin bodies are a few bytes of JSON: one declared at 500 MiB is refused at once (the
+    client has sent 1 KiB of it and stops there), and a chunked one once it passes the bound;
+    with or without the token, which FastAPI would check only after reading the body."""
+    port = gateway.admin.base_url.port
+    assert port is not None
+    headers = [(b"Content-Type", b"application/json")]
+    headers += [(name.encode(), value.encode()) for name, value in credentials.items()]
+    declared = request_bytes(
+        b"PUT",
+        f"/admin/breakers/{payments}".encode(),
+        headers,
+        b'{"state": "normal", "x": "' + b"a" * 1024,
+        content_length=500 * 2**20,
+    )
+    reply = await asyncio.to_thread(exchange, port, declared)
+
+    assert reply is not None
+    assert (reply.status, reply.slug()) == (413, "request-body-too-large")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"state": "normal", "x": "'
+        for _ in range(100):
+            yield b"a" * 1024
+
+    streamed = await gateway.admin.put(
+        f"/admin/breakers/{payments}", content=chunks(), headers=credentials
+    )
+    assert_problem(streamed, 413, "request-body-too-large")
+    # Nothing changed, and a small admin body is still taken.
+    forced = await gateway.admin.put(
+        f"/admin/breakers/{payments}", json={"state": "forced_open"}, headers=ADMIN
+    )
+    assert forced.status_code == 200, forced.text
+
+
+async def test_a_trailing_slash_is_a_404_problem_not_a_redirect_to_the_clients_host(
+    gateway: AdminGateway,
+) -> None:
+    port = gateway.admin.base_url.port
+    assert port is not None
+    raw = request_bytes(b"GET", b"/admin/breakers/", [(b"Host", b"evil.example")])
+
+    reply = await asyncio.to_thread(exchange, port, raw.replace(b"Host: 127.0.0.1\r\n", b""))
+
+    assert reply is not None
+    assert (reply.status, reply.slug()) == (404, "not-found")
+    assert "location" not in reply.headers

@@ -38,7 +38,8 @@ async def force_breaker(
     """Force a breaker for every gateway (applied everywhere within seconds), or
     ``normal`` to hand it back to its failure counts."""
     if upstream not in context.breakers:
-        raise not_found(f"no upstream named {upstream!r}")
+        # Cut short: the name is the client's, and a problem need not echo all of it.
+        raise not_found(f"no upstream named {upstream[:100]!r}")
     state = None if command.state is ForcedState.NORMAL else BreakerState(command.state.value)
     await context.overrides.set(upstream, state)
     log_admin_action(
