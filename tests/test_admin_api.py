@@ -40,7 +40,14 @@ from idempotency_gateway.main import Gateway, create_gateway
 from idempotency_gateway.replay.cache import cache_key
 from idempotency_gateway.replay.redis_adapter import INVALIDATED
 from idempotency_gateway.storage.schema import breaker_overrides
-from tests.support import GatewayProcess, RecordingUpstream, eventually, serve_asgi, write_config
+from tests.support import (
+    GatewayProcess,
+    RecordingUpstream,
+    eventually,
+    free_port,
+    serve_asgi,
+    write_config,
+)
 from tests.support.charges import CHARGE, CHARGES
 from tests.support.database import on_database
 from tests.support.gateway import CLI_SERVER_OPTIONS, gateway_config, route
@@ -554,6 +561,37 @@ async def test_expired_record_stays_readable_until_it_runs_again(
     assert found.status_code == 200
     assert found.json()["status"] == "SUCCEEDED"
     assert datetime.fromisoformat(found.json()["expires_at"]) <= datetime.now(UTC)
+
+
+@pytest.mark.parametrize("removal", REMOVALS.values(), ids=REMOVALS.keys())
+async def test_a_removal_redis_cannot_take_changes_nothing_so_a_retry_is_safe(
+    upstream: RecordingUpstream,
+    payments: str,
+    postgres_url: str,
+    removal: tuple[str, str, dict[str, bool]],
+    unique: Callable[[str], str],
+) -> None:
+    """The cache entry goes first or nothing changes: a 503 that followed a change invited a
+    retry that changed the record again, after retried requests had already executed it anew
+    (one expire meant, three executions had)."""
+    method, path, _ = removal
+    key = unique("redis-down-removal")
+    config = payments_config(upstream.url, payments)
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    async with serve_with_admin(
+        config, database_url=postgres_url, redis_url=unreachable
+    ) as gateway:
+        await send_keyed(gateway.proxy, key)
+        before = await gateway.app.store.get(record_key(key))
+
+        for _ in range(3):  # the operator retries, as the problem says
+            refused = await gateway.admin.request(method, path, params=by_scope(key), headers=ADMIN)
+            problem = assert_problem(refused, 503, "cache-unavailable")
+            assert "nothing was changed" in problem["detail"]
+
+        assert await gateway.app.store.get(record_key(key)) == before
+        assert is_replay(await send_keyed(gateway.proxy, key))
+        assert upstream.count(key) == 1
 
 
 @pytest.mark.parametrize("removal", REMOVALS.values(), ids=REMOVALS.keys())

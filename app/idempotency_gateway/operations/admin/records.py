@@ -1,5 +1,6 @@
 """``/admin/records``: find, inspect, delete and expire idempotency records."""
 
+import logging
 from typing import Annotated, Any
 
 from fastapi import Depends, Header, Query, Request
@@ -15,6 +16,7 @@ from idempotency_gateway.storage.records import RecordKey
 from idempotency_gateway.telemetry.audit import log_admin_action
 
 router = admin_router("records")
+log = logging.getLogger(__name__)
 
 
 def record_key(
@@ -79,9 +81,18 @@ async def stuck_records(
 async def _change(
     context: AdminContext, key: RecordKey, change: str, request: Request
 ) -> dict[str, Any]:
-    # Cache out, record changed, cache out again: a replay that read the record just
-    # before the change cannot leave a stale copy behind.
-    cache_cleared = await context.cache.delete(key)
+    # Cache out before the record changes, or nothing changes: a 503 after a change would
+    # invite a retry that changes the record again, after a retried request may already have
+    # executed anew. Out, the entry leaves a marker that keeps a replay which read the record
+    # before the change from putting its answer back (``redis_adapter.INVALIDATED``).
+    if not await context.cache.delete(key):
+        raise AdminError(
+            "the record's cache entry could not be removed (Redis unreachable), so nothing "
+            "was changed; retry",
+            status=503,
+            slug="cache-unavailable",
+            title="Replay cache unavailable",
+        )
     removal = await (
         context.store.delete(key) if change == "deleted" else context.store.expire(key)
     )
@@ -95,20 +106,14 @@ async def _change(
             slug="record-in-flight",
             title="Record in flight",
         )
-    changed = removal is Removal.DONE
-    cache_cleared = await context.cache.delete(key) and cache_cleared
-    if changed and context.invalidations is not None:
-        await context.invalidations.publish(key)
-    if not cache_cleared:
-        raise AdminError(
-            f"the record was {change if changed else 'already absent'} but its cache entry "
-            "could not be removed (Redis unreachable); retry",
-            status=503,
-            slug="cache-unavailable",
-            title="Replay cache unavailable",
-        )
-    if not changed:
+    if removal is not Removal.DONE:
         raise not_found("no record for that scope, operation and key")
+    # Out again, renewing the marker from the change on. Should Redis fail now, the change
+    # stands and is reported as done: the marker set before it still guards the entry.
+    if not await context.cache.delete(key):
+        log.warning("record %s, but its cache entry's marker could not be renewed", change)
+    if context.invalidations is not None:
+        await context.invalidations.publish(key)
     log_admin_action(
         f"record {change}", client=request.client, scope=key.tenant, operation=key.operation
     )
