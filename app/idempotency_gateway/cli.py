@@ -177,6 +177,7 @@ def _run_server(
 
     admin_port = args.admin_port if args.admin_port is not None else settings.admin_port
     if admin_port == args.port != 0:
+        # The second bind would fail anyway, as "address in use": this says what is wrong.
         raise ConfigError(
             "command line" if args.admin_port is not None else "GATEWAY_ADMIN_PORT",
             [f"the admin port and the proxy port are both {admin_port}: give each its own"],

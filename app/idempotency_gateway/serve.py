@@ -69,7 +69,9 @@ class GatewaySupervisor(Multiprocess):
         self._drain = drain
         self._drain_ends: float | None = None
         self._reaper = dead_worker_reaper()
-        self._health: WorkerHealth[Process] = WorkerHealth(timeout=WORKER_HEALTHCHECK_SECONDS)
+        self._health: WorkerHealth[Process] = WorkerHealth(
+            timeout=config.timeout_worker_healthcheck
+        )
         os.environ[RESOLVED_CONFIG_ENV] = gateway_config.model_dump_json()
 
     def handle_hup(self) -> None:
@@ -138,7 +140,7 @@ class GatewaySupervisor(Multiprocess):
             log.error(
                 "worker %s did not answer its health check in %gs; killed it, starting another",
                 process.pid,
-                self.config.timeout_worker_healthcheck,
+                self._health.timeout,
             )
         replacement = Process(self.config, self.sockets)
         replacement.start()
