@@ -199,6 +199,50 @@ async def test_a_dead_worker_is_replaced_at_once_while_another_hangs(
     assert gateway.returncode == 0
 
 
+async def test_a_stopped_worker_holds_up_neither_a_reload_nor_a_shutdown(
+    tmp_path: Path,
+    sqlite_url: str,
+    upstreams: tuple[RecordingUpstream, RecordingUpstream],
+) -> None:
+    """A reload and a shutdown each tell a worker to stop and wait for it to exit: a worker
+    stopped with SIGSTOP held SIGTERM until continued, and the supervisor waited forever."""
+    old, new = upstreams
+    path = config_file(tmp_path, old.url)
+    gateway = GatewayProcess(
+        path,
+        env={"GATEWAY_DATABASE_URL": sqlite_url},
+        extra_args=["--workers", "2"],
+        log_dir=tmp_path,
+    )
+
+    def two_workers() -> set[int] | None:
+        pids = worker_pids(gateway.pid)
+        return pids if len(pids) == 2 else None
+
+    async def new_config_served() -> bool:
+        return await all_served_by(gateway, new)
+
+    await gateway.start()
+    try:
+        first = await eventually(two_workers, message="2 workers running")
+        os.kill(min(first), signal.SIGSTOP)
+        config_file(tmp_path, new.url)
+        os.kill(gateway.pid, signal.SIGHUP)
+        await eventually(
+            lambda: not first & worker_pids(gateway.pid),
+            timeout=25.0,  # within the stopped worker's health timeout (30 s)
+            message="both workers replaced, the stopped one too",
+        )
+        assert await eventually(new_config_served, timeout=25.0, message="new config served")
+
+        second = await eventually(two_workers, message="2 new workers running")
+        os.kill(min(second), signal.SIGSTOP)
+        gateway.terminate()
+        assert await gateway.wait(timeout=25.0) == 0
+    finally:
+        await gateway.stop()
+
+
 # ------------------------------------------------------------------------------- drain
 
 

@@ -17,13 +17,16 @@ The supervisor is uvicorn's, plus what a fleet needs from it:
 * On every turn of its loop (every half second) every worker is asked whether it lives,
   without waiting for the answers: one that exited is replaced at once, one that leaves a
   ping unanswered for ``WORKER_HEALTHCHECK_SECONDS`` (stopped, or stuck holding the
-  interpreter) is killed and replaced, and signals are handled meanwhile.
+  interpreter) is killed and replaced, and signals are handled meanwhile. A stopped worker
+  is continued before a reload or a shutdown tells it to stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -90,6 +93,7 @@ class GatewaySupervisor(Multiprocess):
         os.environ[RESOLVED_CONFIG_ENV] = new_config.model_dump_json()
         log.info("config reloaded; replacing the workers one at a time")
         before = set(self.processes)
+        self._continue_stopped_workers()
         super().handle_hup()
         if self._reaper is not None:
             self._reaper.watch(process.pid for process in self.processes)
@@ -156,7 +160,17 @@ class GatewaySupervisor(Multiprocess):
         # theirs: the kernel would queue connections nobody accepts instead of refusing them.
         for sock in self.sockets:
             sock.close()
+        self._continue_stopped_workers()
         super().terminate_all()
+
+    def _continue_stopped_workers(self) -> None:
+        """SIGCONT to every worker before it is told to stop (a rolling restart, a shutdown),
+        each of which waits for the worker to exit: a stopped worker holds a SIGTERM until it
+        is continued, and the supervisor would have waited for it forever."""
+        for process in self.processes:
+            if process.pid is not None and process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGCONT)
 
     def failed_to_start(self) -> bool:
         return any(process.exitcode == STARTUP_FAILURE for process in self.processes)
