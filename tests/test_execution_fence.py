@@ -90,9 +90,13 @@ async def fleet(
         owner = gateway("owner", link.rewrite_url(postgres_url))
         other = gateway("other", postgres_url)
         await asyncio.gather(owner.start(), other.start())
+        # A connection for each request: kept alive between the module's tests, an idle
+        # connection could be reused at the moment the gateway closed it for idling (uvicorn's
+        # keep-alive timeout, 5 s), a race that fails the request in any HTTP/1.1 client.
+        fresh = httpx.Limits(max_keepalive_connections=0)
         to_owner, to_other = [
             await stack.enter_async_context(
-                httpx.AsyncClient(base_url=each.url, timeout=30.0, trust_env=False)
+                httpx.AsyncClient(base_url=each.url, timeout=30.0, trust_env=False, limits=fresh)
             )
             for each in (owner, other)
         ]
